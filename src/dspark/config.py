@@ -1,0 +1,521 @@
+"""The cluster file: one TOML description of a deployment, validated once at the edge.
+
+Both nodes read the same file. Every field is declared once below, with its help text
+and an example; the validator, the error messages and the commented template
+(`dspark config init`) are all derived from these declarations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import os
+import socket
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path("/etc/dspark/cluster.toml")
+PLACEHOLDER = "CHANGEME"
+GIB = 1024**3
+
+
+class ConfigError(Exception):
+    """A cluster file that cannot be used; `problems` holds one line per fault."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(where + "; ".join(problems))
+
+    def render(self) -> str:
+        head = f"{self.source} is not a valid cluster file:" if self.source else "invalid cluster file:"
+        return "\n".join([head] + [f"  - {p}" for p in self.problems])
+
+
+def _f(default: Any = dataclasses.MISSING, *, help: str, example: Any = None, factory: Any = None):
+    """Declare a config field: its default, help text and an example for error messages."""
+    meta = {"help": help, "example": example}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# The seed's tested serving settings for DeepSeek V4 Flash on two GB10 nodes
+# (shared/reference/deepseek-v4-flash.md, "The seed's serving command line").
+SEED_SPECULATIVE = {"method": "dspark", "num_speculative_tokens": 5, "draft_sample_method": "probabilistic"}
+SEED_EXTRA_ARGS = [
+    "--tokenizer-mode", "deepseek_v4",
+    "--tool-call-parser", "deepseek_v4",
+    "--enable-auto-tool-choice",
+    "--reasoning-parser", "deepseek_v4",
+    "--generation-config", "vllm",
+]
+SEED_ENV = {
+    "NCCL_NET": "IB",
+    "NCCL_IB_ADDR_FAMILY": "AF_INET",
+    "NCCL_IB_ROCE_VERSION_NUM": "2",
+    "NCCL_CROSS_NIC": "1",
+    "NCCL_CUMEM_ENABLE": "0",
+    "NCCL_NVLS_ENABLE": "0",
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    "TORCH_CUDA_ARCH_LIST": "12.1a",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = _f(help="Model directory on every node (config.json and safetensors shards).",
+                   example="/var/lib/dspark/models/DeepSeek-V4-Flash")
+    served_name: str = _f("deepseek-v4-flash", help="Model name clients use in API requests.",
+                          example="deepseek-v4-flash")
+    trust_remote_code: bool = _f(True, help="Pass --trust-remote-code to vLLM.", example=True)
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    vllm_command: list[str] = _f(help="Command that runs vLLM's CLI on every node (argv prefix before 'serve').",
+                                 example=["vllm"], factory=lambda: ["vllm"])
+    tensor_parallel_size: int = _f(2, help="Tensor parallel size: nodes x GPUs per node.", example=2)
+    pipeline_parallel_size: int = _f(1, help="Pipeline parallel size.", example=1)
+    gpus_per_node: int = _f(1, help="GPUs on each node (one GB10 per DGX Spark).", example=1)
+    usable_memory_gib: float = _f(121.0, help="Usable GPU (unified) memory of one GPU, GiB; the plan's budget.",
+                                  example=121.0)
+    max_model_len: int = _f(350000, help="Longest context (prompt + output) in tokens.", example=350000)
+    max_num_seqs: int = _f(12, help="Requests decoded at once.", example=12)
+    max_num_batched_tokens: int = _f(8192, help="Tokens per scheduler step (chunked prefill).", example=8192)
+    gpu_memory_utilization: float | None = _f(
+        0.78, help="Share of each GPU's memory vLLM may use (0 < x <= 1).", example=0.78)
+    kv_cache_memory_bytes: int | None = _f(
+        None, help="KV-cache bytes per GPU; when set, vLLM uses it instead of gpu_memory_utilization.",
+        example=12 * GIB)
+    kv_cache_dtype: str | None = _f("nvfp4_ds_mla", help="KV-cache dtype (nvfp4_ds_mla needs the Spark overlay).",
+                                    example="nvfp4_ds_mla")
+    block_size: int | None = _f(256, help="KV-cache block size in tokens.", example=256)
+    speculative_config: dict | None = _f(
+        help="vLLM --speculative-config as a table; omit for none.",
+        example=SEED_SPECULATIVE, factory=lambda: dict(SEED_SPECULATIVE))
+    enable_prefix_caching: bool = _f(True, help="Reuse KV of shared prompt prefixes.", example=True)
+    enable_chunked_prefill: bool = _f(True, help="Split long prompts into scheduler-sized chunks.", example=True)
+    async_scheduling: bool = _f(True, help="Overlap scheduling with execution.", example=True)
+    moe_backend: str | None = _f("flashinfer_b12x", help="MoE experts backend (flashinfer_b12x needs the overlay).",
+                                 example="flashinfer_b12x")
+    max_cudagraph_capture_size: int | None = _f(
+        None, help="CUDA-graph capture size; default max_num_seqs x (speculative tokens + 1).", example=72)
+    load_format: str | None = _f(None, help="vLLM --load-format ('dummy' gives random weights).", example="auto")
+    skip_tokenizer_init: bool = _f(False, help="Serve token-id prompts only, without a tokenizer.", example=False)
+    extra_args: list[str] = _f(help="More vLLM arguments, appended as written.", example=["--enforce-eager"],
+                               factory=lambda: list(SEED_EXTRA_ARGS))
+    env: dict[str, str] = _f(help="Environment for vLLM on every node.", example={"NCCL_DEBUG": "WARN"},
+                             factory=lambda: dict(SEED_ENV))
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        spec = self.speculative_config or {}
+        return int(spec.get("num_speculative_tokens", 0) or 0)
+
+    @property
+    def cudagraph_capture_size(self) -> int:
+        if self.max_cudagraph_capture_size is not None:
+            return self.max_cudagraph_capture_size
+        return self.max_num_seqs * (self.num_speculative_tokens + 1)
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    ready_timeout_s: float = _f(1800.0, help="Give up (exit 'never ready') if vLLM is not serving by then.",
+                                example=1800.0)
+    liveness_interval_s: float = _f(5.0, help="Seconds between real 1-token liveness completions on the head.",
+                                    example=5.0)
+    liveness_timeout_s: float = _f(10.0, help="A liveness completion slower than this counts as failed.",
+                                   example=10.0)
+    liveness_failures: int = _f(2, help="Consecutive failed liveness checks before the head gives up.", example=2)
+    stop_grace_s: float = _f(30.0, help="Seconds vLLM gets after SIGTERM before SIGKILL.", example=30.0)
+    head_lost_s: float = _f(10.0, help="A serving worker leaves once the head's agent is unreachable this long.",
+                            example=10.0)
+    rendezvous_timeout_s: float = _f(900.0, help="A worker leaves if the head has not come up by then.",
+                                     example=900.0)
+    worker_wait_timeout_s: float = _f(900.0, help="How long 'dspark wait-worker' waits for the worker.",
+                                      example=900.0)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    name: str = _f(help="Node name; a process finds its entry by this (default: the host name).",
+                   example="spark-a")
+    rank: int = _f(help="Node rank: 0 is the head (serves the API), others are headless workers.", example=0)
+    address: str = _f(help="This node's address on the dedicated fabric (VLLM_HOST_IP).", example="192.168.100.10")
+    socket_ifname: str | None = _f(None, help="Fabric interface for NCCL/Gloo/TP sockets.", example="enp1s0f0np0")
+    rdma_device: str | None = _f(None, help="RDMA device for NCCL_IB_HCA.", example="rocep1s0f0")
+    gid_index: str | None = _f(
+        None, help="NCCL_IB_GID_INDEX: a number, or 'auto' to resolve the RoCEv2 IPv4 GID from sysfs at launch.",
+        example="auto")
+    role: str | None = _f(None, help="Optional check: 'head' (rank 0) or 'worker'.", example="head")
+    api_host: str = _f("0.0.0.0", help="Address the head's API binds.", example="0.0.0.0")
+    api_port: int = _f(8888, help="Head's OpenAI-compatible API port.", example=8888)
+    master_port: int = _f(25000, help="Rendezvous port (read from the head's entry).", example=25000)
+    agent_host: str | None = _f(None, help="Address the node agent binds (default: the fabric address).",
+                                example="192.168.100.10")
+    agent_port: int = _f(8890, help="Port of this node's read-only agent (state, metrics).", example=8890)
+    env: dict[str, str] = _f(help="Extra environment for vLLM on this node only.", example={},
+                             factory=dict)
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def agent_bind(self) -> str:
+        return self.agent_host or self.address
+
+    @property
+    def agent_url(self) -> str:
+        return f"http://{_host_for_url(self.agent_bind)}:{self.agent_port}"
+
+    @property
+    def api_url(self) -> str:
+        host = self.address if self.api_host in ("0.0.0.0", "::") else self.api_host
+        return f"http://{_host_for_url(host)}:{self.api_port}"
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@dataclass(frozen=True)
+class Cluster:
+    model: ModelConfig
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    nodes: tuple[NodeConfig, ...] = ()
+    source: str | None = None
+
+    @property
+    def head(self) -> NodeConfig:
+        return next(n for n in self.nodes if n.rank == 0)
+
+    @property
+    def workers(self) -> list[NodeConfig]:
+        return sorted((n for n in self.nodes if n.rank != 0), key=lambda n: n.rank)
+
+    def node(self, name: str | None = None) -> NodeConfig:
+        """The entry for `name` (default: $DSPARK_NODE, then the host name)."""
+        wanted = name or os.environ.get("DSPARK_NODE") or socket.gethostname()
+        for n in self.nodes:
+            if n.name == wanted:
+                return n
+        names = ", ".join(n.name for n in self.nodes)
+        how = "" if name else " (taken from the host name; pass --node NAME)"
+        raise ConfigError([f"no node named {wanted!r}{how}; the file lists: {names}"], self.source)
+
+    def api_url(self) -> str:
+        return self.head.api_url
+
+
+# --------------------------------------------------------------------------- validation
+
+_SECTIONS = {"model": ModelConfig, "serving": ServingConfig, "supervisor": SupervisorConfig}
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is list:
+        return "a list of strings"
+    if origin is dict or tp is dict:
+        return "a table"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _toml_value(value: Any) -> str:
+    """Format a value as TOML (enough for the types the config uses)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else _toml_value(key)
+
+
+def _check_type(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return any(_check_type(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+    if tp is dict:
+        return isinstance(value, dict)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _build(cls: type, table: Any, where: str, problems: list[str]) -> Any:
+    if not isinstance(table, dict):
+        problems.append(f"{where}: expected a table ([{where}]), got {_toml_value_safe(table)}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(fields)}"
+            problems.append(f"{where}.{key}: unknown key{hint}")
+            continue
+        f = fields[key]
+        example = f.metadata.get("example")
+        if not _check_type(value, hints[key]):
+            got = _toml_value_safe(value)
+            problems.append(f"{where}.{key}: expected {_type_name(hints[key])}, got {got}; "
+                            f"write e.g. {key} = {_toml_value(example)}")
+            continue
+        if _has_placeholder(value):
+            problems.append(f"{where}.{key}: still the placeholder {PLACEHOLDER}; {f.metadata['help']} "
+                            f"Write e.g. {key} = {_toml_value(example)}")
+            continue
+        kwargs[key] = float(value) if hints[key] is float and isinstance(value, int) else value
+    for name, f in fields.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if name not in table:
+                problems.append(f"{where}.{name}: missing; {f.metadata['help']} "
+                                f"Write e.g. {name} = {_toml_value(f.metadata.get('example'))}")
+    try:
+        return cls(**kwargs)
+    except TypeError:
+        return None  # a missing required field, already reported
+
+
+def _toml_value_safe(value: Any) -> str:
+    try:
+        return _toml_value(value)
+    except TypeError:
+        return repr(value)
+
+
+def _has_placeholder(value: Any) -> bool:
+    if isinstance(value, str):
+        return PLACEHOLDER in value
+    if isinstance(value, list):
+        return any(_has_placeholder(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_placeholder(v) for v in value.values())
+    return False
+
+
+def from_dict(data: dict, source: str | None = None) -> Cluster:
+    """Validate a parsed cluster file; raise ConfigError listing every fault."""
+    problems: list[str] = []
+    known = set(_SECTIONS) | {"nodes"}
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean [{close[0]}]?" if close else f"; known sections: {', '.join(sorted(known))}"
+            problems.append(f"{key}: unknown section{hint}")
+    if "model" not in data:
+        problems.append("model: missing; add a [model] table with path = \"/path/to/model\"")
+    parts = {name: _build(cls, data.get(name, {}), name, problems) for name, cls in _SECTIONS.items()}
+    raw_nodes = data.get("nodes")
+    nodes: list[NodeConfig] = []
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        problems.append("nodes: missing; add one [[nodes]] table per node (name, rank, address)")
+    else:
+        for i, raw in enumerate(raw_nodes):
+            node = _build(NodeConfig, raw, f"nodes[{i}]", problems)
+            if node is not None:
+                nodes.append(node)
+    if problems:
+        raise ConfigError(problems, source)
+    cluster = Cluster(model=parts["model"], serving=parts["serving"], supervisor=parts["supervisor"],
+                      nodes=tuple(nodes), source=source)
+    problems = check(cluster)
+    if problems:
+        raise ConfigError(problems, source)
+    return cluster
+
+
+def check(c: Cluster) -> list[str]:
+    """Contradictions between fields: each returned line names the fields and the fix."""
+    p: list[str] = []
+    s, sup = c.serving, c.supervisor
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "gpus_per_node", "max_model_len",
+                 "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(s, name) < 1:
+            p.append(f"serving.{name}: must be at least 1, got {getattr(s, name)}")
+    if s.gpu_memory_utilization is not None and not 0 < s.gpu_memory_utilization <= 1:
+        p.append(f"serving.gpu_memory_utilization: must be in (0, 1], got {s.gpu_memory_utilization}; "
+                 "write e.g. gpu_memory_utilization = 0.78")
+    if s.kv_cache_memory_bytes is not None and s.kv_cache_memory_bytes <= 0:
+        p.append("serving.kv_cache_memory_bytes: must be positive; remove it to use gpu_memory_utilization")
+    if s.gpu_memory_utilization is None and s.kv_cache_memory_bytes is None:
+        p.append("serving: set gpu_memory_utilization or kv_cache_memory_bytes")
+    if s.usable_memory_gib <= 0:
+        p.append("serving.usable_memory_gib: must be positive; one GB10 offers about 121")
+    if s.block_size is not None and (s.block_size < 1 or s.block_size & (s.block_size - 1)):
+        p.append(f"serving.block_size: must be a power of two, got {s.block_size}")
+    if s.speculative_config is not None:
+        n = s.speculative_config.get("num_speculative_tokens", 0)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            p.append("serving.speculative_config.num_speculative_tokens: must be a whole number >= 0")
+    for name in ("ready_timeout_s", "liveness_interval_s", "liveness_timeout_s", "stop_grace_s", "head_lost_s",
+                 "rendezvous_timeout_s", "worker_wait_timeout_s"):
+        if getattr(sup, name) <= 0:
+            p.append(f"supervisor.{name}: must be positive, got {getattr(sup, name)}")
+    if sup.liveness_failures < 1:
+        p.append("supervisor.liveness_failures: must be at least 1")
+
+    names = [n.name for n in c.nodes]
+    for dup in sorted({x for x in names if names.count(x) > 1}):
+        p.append(f"nodes: the name {dup!r} is used by more than one node; give each node its own name")
+    ranks = [n.rank for n in c.nodes]
+    for dup in sorted({r for r in ranks if ranks.count(r) > 1}):
+        who = ", ".join(n.name for n in c.nodes if n.rank == dup)
+        p.append(f"nodes: rank {dup} is given to more than one node ({who}); ranks must be unique")
+    if sorted(set(ranks)) != list(range(len(c.nodes))):
+        p.append(f"nodes: ranks must be 0..{len(c.nodes) - 1} (one per node), got {sorted(ranks)}")
+    if s.tensor_parallel_size * s.pipeline_parallel_size != len(c.nodes) * s.gpus_per_node:
+        p.append(f"serving.tensor_parallel_size: {s.tensor_parallel_size} x pipeline_parallel_size "
+                 f"{s.pipeline_parallel_size} must equal nodes ({len(c.nodes)}) x gpus_per_node "
+                 f"({s.gpus_per_node}) = {len(c.nodes) * s.gpus_per_node}")
+    ports_by_host: dict[str, list[tuple[int, str]]] = {}
+    for i, n in enumerate(c.nodes):
+        where = f"nodes[{i}] ({n.name})"
+        try:
+            ipaddress.ip_address(n.address)
+        except ValueError:
+            p.append(f"{where}.address: {n.address!r} is not an IP address; write this node's fabric IP, "
+                     "e.g. address = \"192.168.100.10\"")
+        if n.role is not None and n.role not in ("head", "worker"):
+            p.append(f"{where}.role: must be 'head' or 'worker', got {n.role!r}")
+        elif n.role == "head" and n.rank != 0:
+            p.append(f"{where}.role: the head must be rank 0, but this node has rank {n.rank}; "
+                     "set rank = 0 here (and give the other node rank 1)")
+        elif n.role == "worker" and n.rank == 0:
+            p.append(f"{where}.role: rank 0 is the head; set role = \"head\" or give this node another rank")
+        if n.gid_index is not None and n.gid_index != "auto" and not n.gid_index.isdigit():
+            p.append(f"{where}.gid_index: must be a number or \"auto\", got {n.gid_index!r}")
+        if n.gid_index is not None and n.rdma_device is None:
+            p.append(f"{where}.gid_index: needs rdma_device (the GID belongs to an RDMA device)")
+        for key in ("api_port", "master_port", "agent_port"):
+            port = getattr(n, key)
+            if not 0 < port < 65536:
+                p.append(f"{where}.{key}: {port} is not a TCP port (1..65535)")
+        # Ports are grouped by the node's address: one machine, one port space (binds to
+        # 0.0.0.0 included); nodes sharing an address share a machine.
+        used = [("agent_port", n.agent_port)]
+        if n.is_head:
+            used += [("api_port", n.api_port), ("master_port", n.master_port)]
+        for key, port in used:
+            ports_by_host.setdefault(n.address, []).append((port, f"{n.name}.{key}"))
+    for host, entries in ports_by_host.items():
+        seen: dict[int, str] = {}
+        for port, who in entries:
+            if port in seen:
+                p.append(f"port {port} is used twice on host {host}: {seen[port]} and {who}; "
+                         "give one of them another port")
+            seen[port] = who
+    return p
+
+
+def load(path: str | os.PathLike | None = None) -> Cluster:
+    """Read and validate the cluster file ($DSPARK_CONFIG or /etc/dspark/cluster.toml by default)."""
+    path = Path(path or os.environ.get("DSPARK_CONFIG") or DEFAULT_CONFIG_PATH)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError([f"file not found; create one with: dspark config init {path}"], str(path)) from None
+    except OSError as e:
+        raise ConfigError([f"cannot read: {e.strerror}"], str(path)) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"not valid TOML: {e}"], str(path)) from None
+    return from_dict(data, str(path))
+
+
+def to_dict(c: Cluster) -> dict:
+    out = {name: dataclasses.asdict(getattr(c, name)) for name in _SECTIONS}
+    out["nodes"] = [dataclasses.asdict(n) for n in c.nodes]
+    return _drop_none(out)
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def dumps(data: dict, comments: bool = False) -> str:
+    """Write a cluster dict as TOML; with comments, each field carries its help text."""
+    lines: list[str] = []
+    classes = dict(_SECTIONS, nodes=NodeConfig)
+
+    def table(cls: type, values: dict) -> None:
+        helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+        for key, value in values.items():
+            if comments and helps.get(key):
+                lines.append(f"# {helps[key]}")
+            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+
+    for name in ("model", "serving", "supervisor"):
+        if name in data:
+            lines.append(f"[{name}]")
+            table(classes[name], data[name])
+            lines.append("")
+    for node in data.get("nodes", []):
+        lines.append("[[nodes]]")
+        table(NodeConfig, node)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def template() -> str:
+    """The commented template `dspark config init` writes: the seed's tested settings for
+    DeepSeek V4 Flash on two GB10 nodes, with CHANGEME where only the operator knows."""
+    data = {
+        "model": {"path": f"/var/lib/dspark/models/{PLACEHOLDER}", "served_name": "deepseek-v4-flash",
+                  "trust_remote_code": True},
+        "serving": _drop_none(dataclasses.asdict(ServingConfig())),
+        "supervisor": dataclasses.asdict(SupervisorConfig()),
+        "nodes": [
+            {"name": PLACEHOLDER + "-head-hostname", "rank": 0, "role": "head", "address": PLACEHOLDER,
+             "socket_ifname": PLACEHOLDER, "rdma_device": PLACEHOLDER, "gid_index": "auto",
+             "api_host": "0.0.0.0", "api_port": 8888, "master_port": 25000, "agent_port": 8890},
+            {"name": PLACEHOLDER + "-worker-hostname", "rank": 1, "role": "worker", "address": PLACEHOLDER,
+             "socket_ifname": PLACEHOLDER, "rdma_device": PLACEHOLDER, "gid_index": "auto", "agent_port": 8890},
+        ],
+    }
+    header = (
+        "# dspark cluster file: one description of the deployment, the same file on every node.\n"
+        "# Each process finds its own [[nodes]] entry by name (default: the host name).\n"
+        "# Replace every CHANGEME; use the dedicated fabric addresses, not Wi-Fi or the LAN.\n"
+        "# Defaults are the tested settings for DeepSeek V4 Flash on two GB10 nodes (TP=2).\n"
+        "# Check it with: dspark config check\n\n"
+    )
+    return header + dumps(data, comments=True)
