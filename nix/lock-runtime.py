@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Regenerate nix/runtime-lock.json, the hash-pinned GB10 runtime, from nix/runtime-requirements.txt.
+
+    python3 -m venv /tmp/lockenv && /tmp/lockenv/bin/pip install uv packaging
+    /tmp/lockenv/bin/python nix/lock-runtime.py          # writes nix/runtime-lock.json
+
+Steps:
+1. `uv pip compile` resolves the requirements for the nodes (CPython 3.12, aarch64, glibc 2.39:
+   the DGX OS release the GB10 nodes run), wheels only, as a PEP 751 pylock.
+2. For every package, the wheel that CPython 3.12 on manylinux_2_39_aarch64 would prefer is kept
+   (name, version, filename, sha256). The index's URLs are used to read metadata and are never
+   written: Nix's fetchers know where PyPI artifacts live.
+3. Each kept wheel's own core metadata (PEP 658 `.metadata`, else the wheel's METADATA) gives its
+   Requires-Dist, recorded verbatim so tests can check that the lock is closed under its
+   requirements without asking the index again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import email.parser
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import urllib.request
+import zipfile
+from pathlib import Path
+
+from packaging.tags import Tag, compatible_tags, cpython_tags
+from packaging.markers import Marker
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+HERE = Path(__file__).resolve().parent
+PYTHON = (3, 12)
+GLIBC_MINOR = 39  # glibc 2.39: Ubuntu 24.04, the base of the nodes' DGX OS
+ARCH = "aarch64"
+UV_PLATFORM = f"{ARCH}-manylinux_2_{GLIBC_MINOR}"
+
+# The environment markers of the target interpreter (PEP 508). The patch level is unknown until
+# nixpkgs' python312 is built; no locked requirement depends on it.
+TARGET_ENV = {
+    "implementation_name": "cpython",
+    "implementation_version": "3.12.0",
+    "os_name": "posix",
+    "platform_machine": ARCH,
+    "platform_python_implementation": "CPython",
+    "platform_system": "Linux",
+    "python_full_version": "3.12.0",
+    "python_version": "3.12",
+    "sys_platform": "linux",
+}
+
+
+def target_tags() -> list[Tag]:
+    """Wheel tags CPython 3.12 accepts on manylinux_2_39 aarch64, most preferred first."""
+    platforms = [f"manylinux_2_{m}_{ARCH}" for m in range(GLIBC_MINOR, 16, -1)]
+    platforms += [f"manylinux2014_{ARCH}", f"linux_{ARCH}"]
+    interp = f"cp{PYTHON[0]}{PYTHON[1]}"
+    return list(cpython_tags(PYTHON, [interp, "abi3", "none"], platforms)) + list(
+        compatible_tags(PYTHON, interp, platforms))
+
+
+def pick_wheel(wheels: list[dict], ranking: dict[Tag, int]) -> dict:
+    best, best_rank = None, None
+    for wheel in wheels:
+        filename = wheel.get("name") or wheel["url"].rsplit("/", 1)[1]
+        _, _, _, tags = parse_wheel_filename(filename)
+        ranks = [ranking[t] for t in tags if t in ranking]
+        if ranks and (best_rank is None or min(ranks) < best_rank):
+            best, best_rank = dict(wheel, filename=filename), min(ranks)
+    if best is None:
+        names = ", ".join(w.get("name") or w["url"].rsplit("/", 1)[1] for w in wheels)
+        raise SystemExit(f"no wheel for cp312 / manylinux_2_{GLIBC_MINOR}_{ARCH} among: {names}")
+    return best
+
+
+def read_metadata(url: str) -> str:
+    """Core metadata of a wheel: the index's PEP 658 file, else the wheel's own METADATA."""
+    try:
+        with urllib.request.urlopen(url + ".metadata", timeout=120) as r:
+            return r.read().decode()
+    except OSError:
+        pass
+    with urllib.request.urlopen(url, timeout=600) as r:
+        data = r.read()
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        return z.read(name).decode()
+
+
+def compile_pylock(requirements: Path, uv: str, workdir: Path) -> dict:
+    out = workdir / "pylock.toml"
+    cmd = [uv, "pip", "compile", str(requirements), "--python-version", f"{PYTHON[0]}.{PYTHON[1]}",
+           "--python-platform", UV_PLATFORM, "--only-binary", ":all:", "--format", "pylock.toml",
+           "--no-header", "--quiet", "-o", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return tomllib.loads(out.read_text())
+
+
+def build_lock(pylock: dict, roots: list[str]) -> dict:
+    ranking = {tag: i for i, tag in enumerate(target_tags())}
+    packages = []
+    for pkg in pylock["packages"]:
+        if "marker" in pkg and not Marker(pkg["marker"]).evaluate(TARGET_ENV):
+            continue
+        wheel = pick_wheel(pkg.get("wheels", []), ranking)
+        meta = email.parser.Parser().parsestr(read_metadata(wheel["url"]), headersonly=True)
+        name = canonicalize_name(pkg["name"])
+        if canonicalize_name(meta["Name"]) != name or meta["Version"] != pkg["version"]:
+            raise SystemExit(f"{wheel['filename']}: metadata says {meta['Name']} {meta['Version']}")
+        packages.append({
+            "name": name,
+            "version": pkg["version"],
+            "filename": wheel["filename"],
+            "sha256": wheel["hashes"]["sha256"],
+            "requires_dist": meta.get_all("Requires-Dist") or [],
+        })
+        print(f"  {name} {pkg['version']}", file=sys.stderr)
+    return {
+        "comment": "Generated by nix/lock-runtime.py from nix/runtime-requirements.txt; do not edit.",
+        "python": f"{PYTHON[0]}.{PYTHON[1]}",
+        "platform": f"manylinux_2_{GLIBC_MINOR}_{ARCH}",
+        "environment": TARGET_ENV,
+        "requirements": roots,
+        "packages": sorted(packages, key=lambda p: p["name"]),
+    }
+
+
+def read_requirements(path: Path) -> list[str]:
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requirements", type=Path, default=HERE / "runtime-requirements.txt")
+    ap.add_argument("--out", type=Path, default=HERE / "runtime-lock.json")
+    ap.add_argument("--uv", default=shutil.which("uv") or str(Path(sys.executable).parent / "uv"))
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        pylock = compile_pylock(args.requirements, args.uv, Path(tmp))
+    lock = build_lock(pylock, read_requirements(args.requirements))
+    args.out.write_text(json.dumps(lock, indent=1) + "\n")
+    print(f"{args.out}: {len(lock['packages'])} packages", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
