@@ -1,0 +1,45 @@
+# Evaluate the flake's nixosModules.default for one host with nixpkgs.lib and the stand-ins,
+# and report what the tests check. Usage (from tests/nix/test_module.py):
+#   nix-instantiate --eval --strict --json -E 'import tests/nix/eval.nix { libPath = ...; host = { ... }; }'
+{ libPath, host }:
+let
+  lib = import libPath;
+  flake = import ../../flake.nix;
+  outputs = flake.outputs {
+    self = outputs;
+    nixpkgs = {
+      inherit lib;
+      legacyPackages = throw "the module tests have no nixpkgs packages";
+    };
+  };
+  # Store-path-shaped stand-ins for the flake's packages (nothing is built).
+  fakePackage = name: {
+    type = "derivation";
+    inherit name;
+    outPath = "/nix/store/00000000000000000000000000000000-${name}";
+  };
+  evaluated = lib.evalModules {
+    modules = [
+      (import ./stand-ins.nix { inherit lib; })
+      outputs.nixosModules.default
+      {
+        services.dspark.package = fakePackage "dspark-0.1.0";
+        services.dspark.runtimePackage = fakePackage "dspark-runtime-0.28.0";
+      }
+      host
+    ];
+  };
+  config = evaluated.config;
+in
+{
+  failedAssertions = map (a: a.message) (lib.filter (a: !a.assertion) config.assertions);
+  inherit (config) warnings;
+  services = lib.mapAttrs (_: s: {
+    inherit (s) wantedBy environment serviceConfig;
+    restartTriggers = map (t: t.generatedFile or t) s.restartTriggers;
+  }) config.systemd.services;
+  packages = map (p: p.name) config.systemd.packages;
+  etc = lib.mapAttrs (_: e: e.source) config.environment.etc;
+  firewall = config.networking.firewall;
+  users = config.users;
+}

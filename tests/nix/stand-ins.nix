@@ -1,0 +1,93 @@
+# Small stand-ins for the NixOS options services.dspark sets, and for the one pkgs function it
+# calls (formats.toml), so the module can be evaluated with nixpkgs.lib alone. They declare only
+# the shape the module relies on; the real declarations live in nixpkgs' nixos/ tree.
+{ lib }:
+let
+  inherit (lib) mkOption types;
+  # A TOML value, shaped like the type of nixpkgs' pkgs.formats.toml.
+  tomlValue =
+    types.nullOr (
+      types.oneOf [
+        types.bool
+        types.int
+        types.float
+        types.str
+        types.path
+        (types.attrsOf tomlValue)
+        (types.listOf tomlValue)
+      ]
+    )
+    // {
+      description = "TOML value";
+    };
+  pkgs.stdenv.hostPlatform.system = "aarch64-linux";
+  pkgs.formats.toml = _: {
+    type = types.attrsOf tomlValue;
+    # The real generate writes a TOML file into the store; the stand-in keeps the data, so the
+    # tests can read back exactly what would be written.
+    generate = name: value: {
+      generatedFile = name;
+      inherit value;
+    };
+  };
+  unit = types.submodule {
+    options = {
+      wantedBy = mkOption {
+        type = types.listOf types.str;
+        default = [ ];
+      };
+      environment = mkOption {
+        type = types.attrsOf types.str;
+        default = { };
+      };
+      restartTriggers = mkOption {
+        type = types.listOf types.anything;
+        default = [ ];
+      };
+      serviceConfig = mkOption {
+        type = types.attrsOf types.anything;
+        default = { };
+      };
+    };
+  };
+  listOf = t: mkOption {
+    type = types.listOf t;
+    default = [ ];
+  };
+in
+{
+  config._module.args.pkgs = pkgs;
+  options = {
+    assertions = listOf types.unspecified;
+    warnings = listOf types.str;
+    environment.etc = mkOption {
+      type = types.attrsOf (types.submodule { options.source = mkOption { type = types.anything; }; });
+      default = { };
+    };
+    systemd.packages = listOf types.package;
+    systemd.services = mkOption {
+      type = types.attrsOf unit;
+      default = { };
+    };
+    systemd.targets = mkOption {
+      type = types.attrsOf unit;
+      default = { };
+    };
+    users.users = mkOption {
+      type = types.attrsOf (types.attrsOf types.anything);
+      default = { };
+    };
+    users.groups = mkOption {
+      type = types.attrsOf (types.attrsOf types.anything);
+      default = { };
+    };
+    networking.hostName = mkOption {
+      type = types.str;
+      default = "nixos";
+    };
+    networking.firewall = {
+      allowedTCPPorts = listOf types.port;
+      trustedInterfaces = listOf types.str;
+    };
+  };
+}
