@@ -1,0 +1,322 @@
+"""Checks run inside a patched vLLM tree (a subprocess whose PYTHONPATH puts
+the patched copy first). Prints one JSON object: check name -> "ok" or the
+failure's traceback. Run as ``python patched_checks.py PATCHED_SITE``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import traceback
+from pathlib import Path
+
+PATCHED_MODULES = (
+    "vllm.utils.spark_sm12x",
+    "vllm.config.cache",
+    "vllm.config.vllm",
+    "vllm.utils.torch_utils",
+    "vllm.utils.b12x",
+    "vllm.models.deepseek_v4.attention",
+    "vllm.models.deepseek_v4.compressor",
+    "vllm.models.deepseek_v4.sparse_mla",
+    "vllm.models.deepseek_v4.nvidia.flashinfer_sparse",
+    "vllm.models.deepseek_v4.nvidia.model",
+    "vllm.v1.attention.backends.mla.sparse_swa",
+    "vllm.model_executor.layers.fused_moe.oracle.mxfp4",
+    "vllm.model_executor.layers.fused_moe.experts.b12x_mxfp4_moe",
+    "vllm.model_executor.warmup.kernel_warmup",
+    "vllm.v1.worker.gpu.warmup",
+    "vllm.v1.worker.gpu.spec_decode.dspark.speculator",
+)
+
+
+class _Family:
+    """Stands in for the GPU's capability family; no SM12x GPU runs here."""
+
+    def __init__(self, family: int | None):
+        self.family = family
+
+    def __call__(self, family: int) -> bool:
+        return family == self.family
+
+
+def _with_family(family: int | None, fn):
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    saved = cls.__dict__.get("is_device_capability_family")
+    cls.is_device_capability_family = staticmethod(_Family(family))
+    try:
+        return fn()
+    finally:
+        if saved is None:
+            del cls.is_device_capability_family
+        else:
+            cls.is_device_capability_family = saved
+
+
+def check_imports(site: Path) -> None:
+    for name in PATCHED_MODULES:
+        module = importlib.import_module(name)
+        origin = Path(module.__file__).resolve()
+        assert origin.is_relative_to(site.resolve()), f"{name} came from {origin}"
+
+
+def check_tensor_logic(site: Path) -> None:
+    import vllm.utils.spark_sm12x as m
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tensor_checks import run_all
+
+    failed = {k: v for k, v in run_all(m, "cpu").items() if v != "ok"}
+    assert not failed, "\n".join(failed.values())
+
+
+def check_cache_dtype(site: Path) -> None:
+    import torch
+    from vllm.config.cache import CacheConfig
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, is_quantized_kv_cache
+    from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
+
+    assert CacheConfig(cache_dtype="nvfp4_ds_mla").cache_dtype == "nvfp4_ds_mla"
+    assert STR_DTYPE_TO_TORCH_DTYPE["nvfp4_ds_mla"] is torch.uint8
+    assert is_quantized_kv_cache("nvfp4_ds_mla")
+    assert get_kv_quant_mode("nvfp4_ds_mla") is KVQuantMode.NVFP4
+
+
+def check_nvfp4_rewrite(site: Path) -> None:
+    from types import SimpleNamespace
+
+    from vllm.config.vllm import VllmConfig
+
+    def validate(model_type: str, use_mla: bool, dtype: str) -> str:
+        cfg = SimpleNamespace(
+            model_config=SimpleNamespace(
+                use_mla=use_mla, hf_text_config=SimpleNamespace(model_type=model_type)
+            ),
+            cache_config=SimpleNamespace(cache_dtype=dtype),
+        )
+        VllmConfig.validate_nvfp4_kv_cache_with_mla(cfg)
+        return cfg.cache_config.cache_dtype
+
+    assert validate("deepseek_v4", True, "nvfp4") == "nvfp4_ds_mla"
+    assert validate("deepseek_v4", True, "nvfp4_ds_mla") == "nvfp4_ds_mla"
+    assert validate("deepseek_v4", True, "fp8") == "fp8"
+    assert validate("llama", False, "nvfp4") == "nvfp4"
+    for model_type, dtype in (("deepseek_v3", "nvfp4"), ("deepseek_v3", "nvfp4_ds_mla")):
+        try:
+            validate(model_type, True, dtype)
+        except ValueError:
+            continue
+        raise AssertionError(f"{model_type} {dtype} was accepted")
+
+
+def check_page_size_specs(site: Path) -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        get_kv_quant_mode,
+    )
+    from vllm.models.deepseek_v4.sparse_mla import DeepseekV4SparseMLABackend
+    from vllm.utils.spark_sm12x import ds_mla_alignment
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+
+    for ratio in (4, 128):
+        spec = MLAAttentionSpec(
+            block_size=256, num_kv_heads=1, head_size=512, dtype=torch.uint8,
+            compress_ratio=ratio, cache_dtype_str="nvfp4_ds_mla",
+            alignment=ds_mla_alignment("nvfp4_ds_mla"), model_version="deepseek_v4",
+            kv_quant_mode=get_kv_quant_mode("nvfp4_ds_mla"), state_content_bytes=584,
+        )
+        assert spec.page_size_bytes == (256 // ratio) * 584, (ratio, spec.page_size_bytes)
+    swa = SlidingWindowMLASpec(
+        block_size=256, num_kv_heads=1, head_size=512, dtype=torch.uint8,
+        sliding_window=128, cache_dtype_str="nvfp4_ds_mla", state_content_bytes=584,
+        alignment=584, model_version="deepseek_v4",
+    )
+    assert swa.page_size_bytes == 256 * 584
+    # fp8_ds_mla keeps v0.28.0's 576-byte padding: 256 * 584 rounded up.
+    fp8 = SlidingWindowMLASpec(
+        block_size=256, num_kv_heads=1, head_size=512, dtype=torch.uint8,
+        sliding_window=128, cache_dtype_str="fp8_ds_mla", state_content_bytes=584,
+        alignment=576, model_version="deepseek_v4",
+    )
+    assert fp8.page_size_bytes == -(-256 * 584 // 576) * 576 != 256 * 584
+    for dtype in ("nvfp4_ds_mla", "fp8_ds_mla"):
+        assert DeepseekV4SparseMLABackend.get_kv_cache_shape(10, 64, 1, 512, dtype) == (
+            10, 64, 584,
+        )
+    assert DeepseekV4SparseMLABackend.get_kv_cache_shape(10, 64, 1, 512, "auto") == (
+        10, 64, 512,
+    )
+    # The SWA cache layer's own spec (the patched code path).
+    from types import SimpleNamespace
+
+    layer = object.__new__(DeepseekV4SWACache)
+    torch.nn.Module.__init__(layer)
+    layer.block_size, layer.head_dim, layer.window_size = 256, 512, 128
+    layer.dtype = torch.uint8
+    layer.cache_config = SimpleNamespace(cache_dtype="nvfp4_ds_mla")
+    spec = layer.get_kv_cache_spec(None)
+    assert (spec.page_size_bytes, spec.alignment) == (256 * 584, 584), spec
+    layer.cache_config = SimpleNamespace(cache_dtype="fp8_ds_mla")
+    assert layer.get_kv_cache_spec(None).alignment == 576
+
+
+def check_flashinfer_backend(site: Path) -> None:
+    from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
+        DeepseekV4FlashInferMLASparseBackend as B,
+        DeepseekV4FlashInferSM120Attention as A,
+    )
+    from vllm.platforms.interface import DeviceCapability
+
+    assert "nvfp4_ds_mla" in B.supported_kv_cache_dtypes
+    args = dict(head_size=512, dtype=None, block_size=256, use_mla=True, has_sink=True,
+                use_sparse=True, use_mm_prefix=False)
+    sm100 = B.supports_combination(
+        kv_cache_dtype="nvfp4_ds_mla", device_capability=DeviceCapability(10, 0), **args
+    )
+    assert sm100 is not None  # refused on SM10x
+    sm121 = B.supports_combination(
+        kv_cache_dtype="nvfp4_ds_mla", device_capability=DeviceCapability(12, 1), **args
+    )
+    # Accepted dtype; FlashInfer itself is not installed here.
+    assert sm121 is None or "kv_cache_dtype" not in sm121, sm121
+    # Head ladder (stock v0.28.0): TP=2 -> 32 heads per rank stay 32.
+    assert [A.get_padded_num_q_heads(h) for h in (8, 16, 32, 64)] == [8, 16, 32, 64]
+    # The bridge methods of the SM120 class, on CPU tensors.
+    import torch
+
+    layer = object.__new__(A)
+    layer.kv_cache_dtype = "nvfp4_ds_mla"
+    cache = torch.zeros(2, 256, 584, dtype=torch.uint8)
+    view = layer._sparse_cache(cache)
+    assert view.shape == (8, 64, 1, 584) and view.data_ptr() == cache.data_ptr()
+    idx = torch.zeros(3, 1, 192, dtype=torch.int32)
+    assert layer._sparse_indices(idx).shape == (3, 1, 512)
+    layer.kv_cache_dtype = "fp8_ds_mla"  # stock path untouched
+    assert layer._sparse_cache(cache).shape == (2, 256, 1, 584)
+    assert layer._sparse_indices(idx) is idx
+
+
+def check_b12x_backend(site: Path) -> None:
+    from vllm.model_executor.layers.fused_moe.experts.b12x_mxfp4_moe import (
+        B12xMxfp4Experts as E,
+        b12x_fused_moe_api,
+    )
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
+    from vllm.model_executor.layers.fused_moe.oracle import mxfp4
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        kMxfp4Static,
+        kNvfp4Static,
+    )
+
+    assert mxfp4.map_mxfp4_backend("flashinfer_b12x") == [mxfp4.Mxfp4MoeBackend.B12X_MXFP4]
+    assert mxfp4.backend_to_kernel_cls(mxfp4.Mxfp4MoeBackend.B12X_MXFP4) == [E]
+    # b12x is not installed here: the backend must not be selectable.
+    assert b12x_fused_moe_api() is None
+    assert not E._supports_current_device()
+    assert not _with_family(120, E._supports_current_device)
+    assert E._supports_quant_scheme(kMxfp4Static, None)
+    assert not E._supports_quant_scheme(kNvfp4Static, None)
+    assert E._supports_activation(MoEActivation.SILU)
+    assert E._supports_activation(MoEActivation.SWIGLUOAI)
+    assert not E._supports_activation(MoEActivation.GELU)
+    assert E._supports_routing_method(RoutingMethodType.DeepseekV4, kMxfp4Static, None)
+    assert not E._supports_routing_method(RoutingMethodType.Renormalize, kMxfp4Static, None)
+
+
+def check_b12x_env(site: Path) -> None:
+    from vllm.utils import spark_sm12x as m
+
+    assert not m.read_small_m_override({}).active
+    assert m.read_small_m_override({}).max_m == 16
+    o = m.read_small_m_override({
+        m.B12X_FORCE_BLOCKS_PER_SM: "2", m.B12X_FORCE_TILE_CONFIG: "128, 64, 256",
+    })
+    assert (o.blocks_per_sm, o.max_m, o.tile_k, o.tile_n, o.cta_threads) == (2, 16, 128, 64, 256)
+    assert o.applies_to(16) and not o.applies_to(17)
+    for bad in ({m.B12X_FORCE_TILE_CONFIG: "128,64"}, {m.B12X_FORCE_BLOCKS_MAX_M: "0"},
+                {m.B12X_FORCE_BLOCKS_PER_SM: "x"}):
+        try:
+            m.read_small_m_override(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} accepted")
+    assert m.read_force_a16({m.B12X_FORCE_A16: "1"}) and not m.read_force_a16({})
+    # Off capture (always, on CPU) the guard is silent.
+    m.refuse_during_capture("test")
+
+
+def check_out_op_optional(site: Path) -> None:
+    import torch
+    from vllm.models.deepseek_v4 import attention
+    from vllm.utils.spark_sm12x import optional_op, use_eager_scratch_pool
+
+    registered = hasattr(torch.ops._C, attention.QNORM_INSERT_OUT_OP)
+    op = attention.qnorm_insert_out_op()  # must not raise either way
+    assert (op is not None) == registered
+    assert optional_op(torch.ops._C, "dspark_no_such_op_out") is None
+    assert optional_op(torch.ops.aten, "add") is torch.ops.aten.add
+    assert use_eager_scratch_pool(sm12x=False, use_ubatching=False)
+    assert not use_eager_scratch_pool(sm12x=True, use_ubatching=False)
+    assert not use_eager_scratch_pool(sm12x=False, use_ubatching=True)
+
+
+def check_warmup_prompt_len(site: Path) -> None:
+    from vllm.v1.worker.gpu import warmup
+
+    assert [warmup.warmup_prompt_len(q) for q in (1, 6, 4)] == [2, 7, 5]  # CPU: stock
+    assert _with_family(None, lambda: warmup.warmup_prompt_len(1)) == 2
+    assert _with_family(120, lambda: warmup.warmup_prompt_len(1)) == 6
+    assert _with_family(120, lambda: warmup.warmup_prompt_len(6)) == 8
+
+
+def check_dspark_capture_sizes(site: Path) -> None:
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import (
+        DSparkSpeculator,
+        dspark_capture_config,
+    )
+
+    assert "init_cudagraph_manager" in DSparkSpeculator.__dict__
+    shared = VllmConfig()
+    sizes = [1, 2, 4, 6, 8, 12, 24, 36, 48, 72]
+    shared.compilation_config.cudagraph_capture_sizes = sizes
+    shared.compilation_config.max_cudagraph_capture_size = 72
+    off = dspark_capture_config(shared, 5, sm12x=False)
+    got = off.compilation_config.cudagraph_capture_sizes
+    assert got == sizes and got is not sizes
+    assert off.compilation_config is not shared.compilation_config
+    got.append(999)
+    assert shared.compilation_config.cudagraph_capture_sizes == sizes[:10]
+    on = dspark_capture_config(shared, 5, sm12x=True)
+    assert on.compilation_config.cudagraph_capture_sizes == [6, 24, 36]
+    assert on.compilation_config.max_cudagraph_capture_size == 36
+    assert shared.compilation_config.cudagraph_capture_sizes == sizes[:10]
+    assert shared.compilation_config.max_cudagraph_capture_size == 72
+    assert on.scheduler_config is shared.scheduler_config
+
+
+CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
+          if name.startswith("check_")}
+
+
+def main() -> None:
+    site = Path(sys.argv[1])
+    results = {}
+    for name, check in CHECKS.items():
+        try:
+            check(site)
+        except Exception:
+            results[name] = traceback.format_exc()
+        else:
+            results[name] = "ok"
+    print("@@RESULTS@@" + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
