@@ -1,0 +1,47 @@
+"""Helpers for the Nix tests: run the evaluator offline, write Python data as Nix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# Single-user, offline evaluation: no build users, no binary caches.
+NIX_CONFIG = "build-users-group =\nsubstituters =\nexperimental-features = nix-command flakes\n"
+
+
+class NixError(Exception):
+    pass
+
+
+def run_nix(nix_instantiate: str, *args: str) -> str:
+    env = dict(os.environ, NIX_CONFIG=NIX_CONFIG)
+    proc = subprocess.run([nix_instantiate, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode != 0:
+        raise NixError(proc.stderr.strip())
+    return proc.stdout
+
+
+def nix_eval(nix_instantiate: str, expr: str):
+    """Evaluate a Nix expression (in the repository root) strictly and return it as Python data."""
+    return json.loads(run_nix(nix_instantiate, "--eval", "--strict", "--json", "-E", expr))
+
+
+def to_nix(value) -> str:
+    """Python data as a Nix expression (dicts, lists, strings, numbers, booleans, None)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value).replace("${", "\\${")
+    if isinstance(value, (list, tuple)):
+        return "[ " + " ".join(f"({to_nix(v)})" for v in value) + " ]"
+    if isinstance(value, dict):
+        return "{ " + " ".join(f"{json.dumps(k)} = {to_nix(v)};" for k, v in value.items()) + " }"
+    raise TypeError(f"no Nix form for {value!r}")

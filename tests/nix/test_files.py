@@ -1,0 +1,77 @@
+"""The Nix files: they parse, the flake is small and its nixpkgs pin is a complete lock."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from nix_support import REPO, nix_eval, run_nix
+
+pytestmark = pytest.mark.nix
+
+
+def nix_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.nix"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return sorted(line for line in out.splitlines() if line)
+
+
+def test_the_project_has_nix_files():
+    files = nix_files()
+    for expected in ("flake.nix", "nix/package.nix", "nix/runtime.nix", "modules/dspark.nix"):
+        assert expected in files
+
+
+@pytest.mark.parametrize("path", nix_files())
+def test_every_nix_file_parses(nix_instantiate, path):
+    run_nix(nix_instantiate, "--parse", path)
+
+
+def test_flake_inputs_are_nixpkgs_only(nix_instantiate):
+    inputs = nix_eval(nix_instantiate, "(import ./flake.nix).inputs")
+    assert list(inputs) == ["nixpkgs"]
+    assert inputs["nixpkgs"]["url"] == "github:nixos/nixpkgs/nixos-25.11"
+
+
+def test_flake_lock_pins_nixpkgs_with_rev_and_nar_hash():
+    lock = json.loads((REPO / "flake.lock").read_text())
+    assert lock["version"] == 7
+    assert lock["nodes"]["root"]["inputs"] == {"nixpkgs": "nixpkgs"}
+    node = lock["nodes"]["nixpkgs"]
+    locked, original = node["locked"], node["original"]
+    assert locked["type"] == "github" and locked["repo"] == "nixpkgs"
+    assert re.fullmatch(r"[0-9a-f]{40}", locked["rev"])
+    assert re.fullmatch(r"sha256-[A-Za-z0-9+/]{43}=", locked["narHash"])
+    assert isinstance(locked["lastModified"], int) and locked["lastModified"] > 1_700_000_000
+    # The lock's original must be what flake.nix asks for, or Nix would re-lock.
+    assert (original["owner"], original["repo"], original["ref"]) == ("nixos", "nixpkgs", "nixos-25.11")
+    assert locked["owner"] == original["owner"]
+
+
+def test_flake_outputs_wire_the_packages_and_the_module(nix_instantiate, nixpkgs_lib):
+    expr = f"""
+      let
+        lib = import {nixpkgs_lib};
+        outputs = (import ./flake.nix).outputs {{
+          self = outputs;
+          nixpkgs = {{ inherit lib; legacyPackages = {{ aarch64-linux = {{ }}; x86_64-linux = {{ }}; }}; }};
+        }};
+      in {{
+        packages = lib.mapAttrs (_: builtins.attrNames) outputs.packages;
+        checks = builtins.attrNames outputs.checks;
+        module = builtins.isFunction outputs.nixosModules.default;
+      }}"""
+    out = nix_eval(nix_instantiate, expr)
+    assert out["packages"] == {"aarch64-linux": ["default", "dspark", "runtime"],
+                               "x86_64-linux": ["default", "dspark"]}
+    assert out["checks"] == ["aarch64-linux", "x86_64-linux"]
+    assert out["module"] is True
+
+
+def test_package_version_comes_from_pyproject():
+    text = (REPO / "nix/package.nix").read_text()
+    assert "lib.importTOML ../pyproject.toml" in text
+    assert not re.search(r'version\s*=\s*"', text)
