@@ -24,7 +24,8 @@ let
       outputs.nixosModules.default
       {
         services.dspark.package = fakePackage "dspark-0.1.0";
-        services.dspark.runtimePackage = fakePackage "dspark-runtime-0.28.0";
+        # Above the flake's mkDefault (so that one is never forced), below a host's own value.
+        services.dspark.runtimePackage = lib.mkOverride 900 (fakePackage "dspark-runtime-0.28.0");
       }
       host
     ];
