@@ -1,0 +1,155 @@
+"""The node agent: a small read-only HTTP endpoint each `dspark serve` runs on its own port.
+
+GET /state    JSON: the node's state, rank, vLLM pid and version, restarts, uptime, last liveness
+GET /metrics  the same as Prometheus text
+GET /healthz  200 while the supervisor runs
+Anything else is 404; any method but GET/HEAD is 405. The agent never changes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from . import __version__
+
+# Node states, in the order a healthy start passes through them.
+STARTING = "starting"
+RENDEZVOUS = "rendezvous"
+LOADING = "loading"
+WARMING = "warming"
+SERVING = "serving"
+STOPPING = "stopping"
+STOPPED = "stopped"
+FAILED = "failed"
+STATES = (STARTING, RENDEZVOUS, LOADING, WARMING, SERVING, STOPPING, STOPPED, FAILED)
+
+
+@dataclass
+class Liveness:
+    ok: bool
+    at: float  # unix time of the check
+    latency_s: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class NodeState:
+    """What a node's supervisor knows about itself; the agent serves a snapshot of it."""
+
+    node: str
+    rank: int
+    role: str
+    state: str = STARTING
+    detail: str = ""
+    vllm_pid: int | None = None
+    vllm_version: str | None = None
+    restarts: int = 0
+    started_at: float = field(default_factory=time.time)
+    state_since: float = field(default_factory=time.time)
+    liveness: Liveness | None = None
+    api_url: str | None = None
+    dspark_version: str = __version__
+
+    def snapshot(self) -> dict:
+        d = asdict(self)
+        now = time.time()
+        d["uptime_s"] = round(now - self.started_at, 3)
+        d["state_for_s"] = round(now - self.state_since, 3)
+        return d
+
+
+def metrics_text(s: dict) -> str:
+    """Prometheus exposition of a state snapshot (names prefixed dspark_node_)."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    labels = {"node": s["node"], "rank": str(s["rank"]), "role": s["role"]}
+    info = Gauge("dspark_node_info", "Node identity and versions", [*labels, "vllm_version", "dspark_version"],
+                 registry=reg)
+    info.labels(**labels, vllm_version=s["vllm_version"] or "", dspark_version=s["dspark_version"]).set(1)
+    state = Gauge("dspark_node_state", "1 for the node's current state", [*labels, "state"], registry=reg)
+    for name in STATES:
+        state.labels(**labels, state=name).set(1 if s["state"] == name else 0)
+    simple = [
+        ("dspark_node_restarts", "Times this node's service was restarted", s["restarts"]),
+        ("dspark_node_uptime_seconds", "Seconds since this supervisor started", s["uptime_s"]),
+        ("dspark_node_vllm_pid", "PID of the vLLM process (0 when none)", s["vllm_pid"] or 0),
+    ]
+    live = s.get("liveness")
+    if live:
+        simple += [
+            ("dspark_node_liveness_ok", "1 if the last real 1-token completion succeeded", 1 if live["ok"] else 0),
+            ("dspark_node_liveness_timestamp_seconds", "Unix time of the last liveness check", live["at"]),
+        ]
+        if live.get("latency_s") is not None:
+            simple.append(("dspark_node_liveness_latency_seconds", "Latency of the last liveness completion",
+                           live["latency_s"]))
+    for name, doc, value in simple:
+        Gauge(name, doc, list(labels), registry=reg).labels(**labels).set(value)
+    return generate_latest(reg).decode()
+
+
+class Agent:
+    """Serves `snapshot()` read-only on (host, port) from a daemon thread."""
+
+    def __init__(self, host: str, port: int, snapshot: Callable[[], dict]):
+        self.snapshot = snapshot
+        agent = self
+
+        class Handler(BaseHTTPRequestHandler):
+            server_version = f"dspark-agent/{__version__}"
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                self._answer(body=True)
+
+            def do_HEAD(self) -> None:  # noqa: N802
+                self._answer(body=False)
+
+            def _answer(self, body: bool) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/state":
+                    data, ctype = json.dumps(agent.snapshot()).encode(), "application/json"
+                elif path == "/metrics":
+                    data, ctype = metrics_text(agent.snapshot()).encode(), "text/plain; version=0.0.4"
+                elif path == "/healthz":
+                    data, ctype = b"ok\n", "text/plain"
+                else:
+                    self.send_error(404, "not found (try /state or /metrics)")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def _refuse(self) -> None:
+                self.send_error(405, "read-only agent")
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
+
+            def log_message(self, *args) -> None:  # keep the journal for the supervisor's own lines
+                pass
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name="dspark-agent", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    def start(self) -> "Agent":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,225 @@
+"""The `dspark` command line. Thin: each command parses its options and calls one function.
+
+Library modules are imported inside the commands so that `dspark --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+
+CONFIG_HELP = "Cluster file (default: $DSPARK_CONFIG, then /etc/dspark/cluster.toml)."
+NODE_HELP = "This node's name in the cluster file (default: $DSPARK_NODE, then the host name)."
+
+
+def config_option(f):
+    return click.option("--config", "-c", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+                        envvar="DSPARK_CONFIG", help=CONFIG_HELP)(f)
+
+
+def node_option(f):
+    return click.option("--node", "-n", envvar="DSPARK_NODE", help=NODE_HELP)(f)
+
+
+def fail(message: str, code: int = 2) -> "click.exceptions.Exit":
+    click.secho(message, fg="red", err=True)
+    raise click.exceptions.Exit(code)
+
+
+def load_cluster(config_path: Path | None):
+    from .config import ConfigError, load
+
+    try:
+        return load(config_path)
+    except ConfigError as e:
+        fail(e.render())
+
+
+def pick_node(cluster, name: str | None):
+    from .config import ConfigError
+
+    try:
+        return cluster.node(name)
+    except ConfigError as e:
+        fail(e.render())
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="dspark")
+def main() -> None:
+    """dspark: DeepSeek V4 Flash on two DGX Spark / GX10 nodes, as a supervised appliance.
+
+    One cluster file describes the deployment; every node runs `dspark serve`.
+    """
+
+
+# ------------------------------------------------------------------------------ config
+@main.group("config")
+def config_group() -> None:
+    """Write and check the cluster file."""
+
+
+@config_group.command("init")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path), default="cluster.toml")
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+def config_init(path: Path, force: bool) -> None:
+    """Write a commented template (the tested DeepSeek V4 Flash settings) to PATH."""
+    from .config import template
+
+    if path.exists() and not force:
+        fail(f"{path} exists; pass --force to overwrite it")
+    try:
+        path.write_text(template())
+    except OSError as e:
+        fail(f"cannot write {path}: {e.strerror}")
+    click.echo(f"wrote {path}; replace every CHANGEME, then run: dspark config check --config {path}")
+
+
+@config_group.command("check")
+@config_option
+def config_check(config_path: Path | None) -> None:
+    """Validate the cluster file; exit non-zero with every problem found."""
+    cluster = load_cluster(config_path)
+    nodes = ", ".join(f"{n.name} (rank {n.rank}, {n.address})" for n in sorted(cluster.nodes, key=lambda n: n.rank))
+    click.echo(f"{cluster.source}: OK: {len(cluster.nodes)} nodes: {nodes}")
+
+
+# ------------------------------------------------------------------------------ plan
+@main.command("plan")
+@config_option
+@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Model directory (default: model.path from the cluster file).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan_cmd(config_path: Path | None, model_dir: Path | None, as_json: bool) -> None:
+    """Memory fit plan: weights per rank, KV cache per token, KV tokens, the longest context."""
+    import json
+
+    from .plan import PlanError
+    from .planning import plan_for_cluster
+
+    cluster = load_cluster(config_path)
+    try:
+        plan = plan_for_cluster(cluster, model_dir)
+    except PlanError as e:
+        fail(f"plan: {e}")
+    click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else plan.render_text())
+    if not plan.fits:
+        raise click.exceptions.Exit(1)
+
+
+# ------------------------------------------------------------------------------ render
+@main.command("render")
+@config_option
+@node_option
+@click.option("--json", "as_json", is_flag=True, help="Print argv and env as JSON.")
+def render_cmd(config_path: Path | None, node: str | None, as_json: bool) -> None:
+    """Print the exact vLLM command line and environment for a node (secrets redacted)."""
+    import json
+
+    from .render import render
+
+    cluster = load_cluster(config_path)
+    launch = render(cluster, pick_node(cluster, node))
+    if as_json:
+        click.echo(json.dumps({"argv": launch.argv, "env": launch.redacted_env()}, indent=2))
+    else:
+        click.echo(launch.shell(), nl=False)
+
+
+# ------------------------------------------------------------------------------ serve
+@main.command("serve")
+@config_option
+@node_option
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), envvar="STATE_DIRECTORY",
+              help="Where restarts are counted (default: $STATE_DIRECTORY from systemd).")
+@click.option("--skip-plan", is_flag=True, help="Start even if the memory plan says it does not fit.")
+def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None, skip_plan: bool) -> None:
+    """Run this node: supervise vLLM, report to systemd, serve the node agent.
+
+    Exit codes: 0 stopped, 2 refused (config or memory plan), 3 never became ready,
+    4 died while serving (or lost its pair).
+    """
+    from .supervisor import EXIT_CONFIG, serve
+
+    cluster = load_cluster(config_path)
+    this = pick_node(cluster, node)
+    if not skip_plan:
+        from .plan import PlanError
+        from .planning import plan_for_cluster
+
+        try:
+            plan = plan_for_cluster(cluster)
+        except PlanError as e:
+            fail(f"refusing to start: plan: {e}", EXIT_CONFIG)
+        if not plan.fits:
+            fail("refusing to start: the memory plan does not fit\n" + plan.render_text(), EXIT_CONFIG)
+    if state_dir is not None and ":" in str(state_dir):
+        state_dir = Path(str(state_dir).split(":")[0])  # systemd lists several directories with ':'
+    try:
+        code = serve(cluster, this, state_dir=state_dir)
+    except OSError as e:  # e.g. the agent's port is taken, vLLM's command not found
+        fail(f"serve: {e}", EXIT_CONFIG)
+    sys.exit(code)
+
+
+# ------------------------------------------------------------------------------ clients
+@main.command("wait-worker")
+@config_option
+@click.option("--timeout", type=float, help="Seconds to wait (default: supervisor.worker_wait_timeout_s).")
+def wait_worker_cmd(config_path: Path | None, timeout: float | None) -> None:
+    """Block until every worker's agent reports the rendezvous (or serving)."""
+    from .status import wait_for_workers
+
+    cluster = load_cluster(config_path)
+    timeout = cluster.supervisor.worker_wait_timeout_s if timeout is None else timeout
+    ok, message = wait_for_workers(cluster, timeout)
+    if not ok:
+        fail(message, 1)
+    click.echo(message)
+
+
+@main.command("status")
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status_cmd(config_path: Path | None, as_json: bool) -> None:
+    """Both nodes and the API in one table; exit 1 when the pair is not serving."""
+    from .status import collect, render_table, to_json
+    from .supervisor import read_api_key
+
+    cluster = load_cluster(config_path)
+    snap = collect(cluster, token=read_api_key())
+    click.echo(to_json(snap) if as_json else render_table(snap))
+    if not snap["serving"]:
+        raise click.exceptions.Exit(1)
+
+
+# ------------------------------------------------------------------------------ local
+@main.group("local")
+def local_group() -> None:
+    """The two-node appliance on this machine, with the real vLLM CPU build."""
+
+
+@local_group.command("up")
+@click.option("--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".dspark/local"),
+              show_default=True, help="Where the cluster file, tiny model, logs and state go.")
+@click.option("--api-port", type=int, default=8000, show_default=True, help="Head API port on 127.0.0.1.")
+@click.option("--agent-port", type=int, default=8890, show_default=True, help="Agent port (each node's address).")
+@click.option("--master-port", type=int, default=29500, show_default=True, help="Rendezvous port.")
+@click.option("--compile", "compile_", is_flag=True, help="Let vLLM torch.compile the model (slow start).")
+def local_up_cmd(workdir: Path, api_port: int, agent_port: int, master_port: int, compile_: bool) -> None:
+    """Start worker (127.0.0.2) then head (127.0.0.1); Ctrl-C stops both."""
+    from .local import LocalError, LocalPorts, up
+
+    try:
+        code = up(workdir, LocalPorts(api=api_port, master=master_port, agent=agent_port), compile=compile_)
+    except LocalError as e:
+        fail(f"local up: {e}", 1)
+    sys.exit(code)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,102 @@
+"""Cluster + node -> the exact vLLM command line and environment. Pure functions."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+
+from .config import Cluster, NodeConfig
+
+# Environment variables whose values are secrets: passed to vLLM, never printed.
+SECRET_ENV = ("VLLM_API_KEY",)
+REDACTED = "<redacted>"
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: list[str]
+    env: dict[str, str]  # added to the supervisor's environment for vLLM
+
+    def redacted_env(self) -> dict[str, str]:
+        return {k: (REDACTED if k in SECRET_ENV else v) for k, v in self.env.items()}
+
+    def shell(self) -> str:
+        """A copy-pasteable rendering (secrets redacted)."""
+        env = " \\\n".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.redacted_env().items()))
+        args = " \\\n  ".join(shlex.quote(a) for a in self.argv)
+        return f"{env} \\\n{args}\n" if env else args + "\n"
+
+
+def node_env(cluster: Cluster, node: NodeConfig, gid_index: str | None = None) -> dict[str, str]:
+    """Environment for vLLM on `node`: the shared env, the fabric settings, the node's own env."""
+    env = dict(cluster.serving.env)
+    env["VLLM_HOST_IP"] = node.address
+    if node.socket_ifname:
+        for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+            env[key] = node.socket_ifname
+    if node.rdma_device:
+        env["NCCL_IB_HCA"] = node.rdma_device
+    gid = gid_index if gid_index is not None else node.gid_index
+    if gid is not None and gid != "auto":
+        env["NCCL_IB_GID_INDEX"] = gid
+    env.update(node.env)
+    return env
+
+
+def vllm_argv(cluster: Cluster, node: NodeConfig) -> list[str]:
+    m, s = cluster.model, cluster.serving
+    head = cluster.head
+    argv = [*s.vllm_command, "serve", m.path, "--served-model-name", m.served_name]
+    if m.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if node.is_head:
+        argv += ["--host", node.api_host, "--port", str(node.api_port)]
+    argv += [
+        "--tensor-parallel-size", str(s.tensor_parallel_size),
+        "--pipeline-parallel-size", str(s.pipeline_parallel_size),
+    ]
+    optional = [
+        ("--kv-cache-dtype", s.kv_cache_dtype),
+        ("--block-size", s.block_size),
+        ("--max-model-len", s.max_model_len),
+        ("--max-num-seqs", s.max_num_seqs),
+        ("--max-num-batched-tokens", s.max_num_batched_tokens),
+        ("--max-cudagraph-capture-size", s.cudagraph_capture_size),
+        # vLLM takes kv_cache_memory_bytes instead of the utilization when both are given;
+        # pass only the one that applies so the command line says what happens.
+        ("--kv-cache-memory-bytes", s.kv_cache_memory_bytes),
+        ("--gpu-memory-utilization", None if s.kv_cache_memory_bytes is not None else s.gpu_memory_utilization),
+        ("--load-format", s.load_format),
+        ("--moe-backend", s.moe_backend),
+    ]
+    for flag, value in optional:
+        if value is not None:
+            argv += [flag, str(value)]
+    for flag, on in (
+        ("--enable-prefix-caching", s.enable_prefix_caching),
+        ("--async-scheduling", s.async_scheduling),
+        ("--enable-chunked-prefill", s.enable_chunked_prefill),
+        ("--skip-tokenizer-init", s.skip_tokenizer_init),
+    ):
+        if on:
+            argv.append(flag)
+    if s.speculative_config:
+        argv += ["--speculative-config", json.dumps(s.speculative_config, separators=(",", ":"))]
+    argv += ["--distributed-executor-backend", "mp"]
+    if len(cluster.nodes) > 1:
+        argv += [
+            "--nnodes", str(len(cluster.nodes)),
+            "--node-rank", str(node.rank),
+            "--master-addr", head.address,
+            "--master-port", str(head.master_port),
+        ]
+        if not node.is_head:
+            argv.append("--headless")
+    argv += list(s.extra_args)
+    return argv
+
+
+def render(cluster: Cluster, node: NodeConfig, gid_index: str | None = None) -> Launch:
+    """The launch of vLLM on `node`. `gid_index` is the resolved RoCE GID when the node says 'auto'."""
+    return Launch(argv=vllm_argv(cluster, node), env=node_env(cluster, node, gid_index))

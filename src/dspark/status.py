@@ -1,0 +1,92 @@
+"""Clients of the node agents and the head's API: `dspark wait-worker` and `dspark status`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable
+
+from . import agent as A
+from . import vllm_facts
+from .config import Cluster
+from .http import HTTPFailure, get_json, request
+
+WORKER_READY_STATES = (A.RENDEZVOUS, A.SERVING)
+
+
+def agent_state(url: str, timeout: float = 2.0) -> dict | None:
+    try:
+        return get_json(url.rstrip("/") + "/state", timeout=timeout)
+    except HTTPFailure:
+        return None
+
+
+def wait_for_workers(
+    cluster: Cluster,
+    timeout_s: float,
+    keep_going: Callable[[list[str]], bool] | None = None,
+    states: tuple[str, ...] = WORKER_READY_STATES,
+    poll_s: float = 0.5,
+) -> tuple[bool, str]:
+    """Block until every worker's agent reports one of `states`. Returns (ok, message).
+
+    `keep_going(waiting_names)` is called each round; returning False stops the wait."""
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, str] = {}
+    while True:
+        waiting = []
+        for w in cluster.workers:
+            s = agent_state(w.agent_url, timeout=min(2.0, poll_s * 4))
+            last[w.name] = (s or {}).get("state", "unreachable")
+            if last[w.name] not in states:
+                waiting.append(w.name)
+        if not waiting:
+            return True, "ready: " + ", ".join(f"{n} {st}" for n, st in last.items())
+        if keep_going is not None and not keep_going(waiting):
+            return False, "interrupted"
+        if time.monotonic() >= deadline:
+            seen = ", ".join(f"{n} at {cluster.node(n).agent_url} is {last[n]}" for n in waiting)
+            return False, (f"worker not ready after {timeout_s:g} s: {seen}; "
+                           f"start it first (systemctl start dspark-worker on that host)")
+        time.sleep(poll_s)
+
+
+def collect(cluster: Cluster, token: str | None = None) -> dict:
+    """Both nodes' agents and the head's API in one snapshot."""
+    nodes = []
+    for n in sorted(cluster.nodes, key=lambda n: n.rank):
+        s = agent_state(n.agent_url)
+        nodes.append({"name": n.name, "rank": n.rank, "agent": n.agent_url, "reachable": s is not None,
+                      "state": (s or {}).get("state", "unreachable"), "detail": (s or {}).get("detail", ""),
+                      "vllm_pid": (s or {}).get("vllm_pid"), "vllm_version": (s or {}).get("vllm_version"),
+                      "restarts": (s or {}).get("restarts"), "uptime_s": (s or {}).get("uptime_s"),
+                      "liveness": (s or {}).get("liveness")})
+    api = {"url": cluster.head.api_url, "health": None, "version": None}
+    try:
+        api["health"] = request(cluster.head.api_url + vllm_facts.HEALTH, timeout=2.0, token=token).status
+        api["version"] = get_json(cluster.head.api_url + vllm_facts.VERSION, timeout=2.0, token=token)["version"]
+    except (HTTPFailure, KeyError, TypeError):
+        pass
+    serving = all(n["state"] == A.SERVING for n in nodes) and api["health"] == 200
+    return {"serving": serving, "nodes": nodes, "api": api}
+
+
+def render_table(snap: dict) -> str:
+    rows = [("NODE", "RANK", "STATE", "VLLM PID", "RESTARTS", "UPTIME", "DETAIL")]
+    for n in snap["nodes"]:
+        up = n["uptime_s"]
+        rows.append((n["name"], str(n["rank"]), n["state"], str(n["vllm_pid"] or "-"),
+                     str(n["restarts"] if n["restarts"] is not None else "-"),
+                     f"{up:.0f}s" if up is not None else "-", n["detail"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+    api = snap["api"]
+    health = api["health"] if api["health"] is not None else "unreachable"
+    lines.append("")
+    lines.append(f"API {api['url']}  /health {health}  vLLM {api['version'] or '-'}")
+    lines.append("pair: SERVING" if snap["serving"] else "pair: NOT SERVING")
+    return "\n".join(lines)
+
+
+def to_json(snap: dict) -> str:
+    return json.dumps(snap, indent=2)
