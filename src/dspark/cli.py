@@ -48,7 +48,32 @@ def pick_node(cluster, name: str | None):
         fail(e.render())
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """Commands that live in their own modules, imported only when used or listed."""
+
+    lazy = {
+        "systemd": ("dspark.units", "cli", "Render and install the systemd units."),
+        "bench": ("dspark.bench.cli", "bench", "Benchmarks: prefill, decode, compare."),
+        "dashboard": ("dspark.dashboard.cli", "dashboard", "Live dashboard of the pair (web page)."),
+        "overlay": ("dspark.overlay", "cli", "Apply or check the Spark patch series on a vLLM tree."),
+    }
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx, name):
+        if name in self.lazy:
+            import importlib
+
+            module, attr, _ = self.lazy[name]
+            try:
+                return getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError):
+                return None  # not built yet in this checkout
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="dspark")
 def main() -> None:
     """dspark: DeepSeek V4 Flash on two DGX Spark / GX10 nodes, as a supervised appliance.
