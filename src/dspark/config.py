@@ -21,6 +21,7 @@ from typing import Any
 
 DEFAULT_CONFIG_PATH = Path("/etc/dspark/cluster.toml")
 PLACEHOLDER = "CHANGEME"
+SECRET_ENV_KEYS = ("VLLM_API_KEY", "DSPARK_API_KEY", "HF_TOKEN")
 GIB = 1024**3
 
 
@@ -388,6 +389,12 @@ def check(c: Cluster) -> list[str]:
     if sup.liveness_failures < 1:
         p.append("supervisor.liveness_failures: must be at least 1")
 
+    # The cluster file is world-readable (and in the Nix store on NixOS): no secrets in it.
+    for where, env in [("serving.env", s.env)] + [(f"nodes ({n.name}).env", n.env) for n in c.nodes]:
+        for key in env:
+            if key in SECRET_ENV_KEYS:
+                p.append(f"{where}.{key}: a secret does not belong in the cluster file; put it in the "
+                         "service's environment file (DSPARK_API_KEY=...) or the 'api-key' credential")
     names = [n.name for n in c.nodes]
     for dup in sorted({x for x in names if names.count(x) > 1}):
         p.append(f"nodes: the name {dup!r} is used by more than one node; give each node its own name")

@@ -22,10 +22,15 @@ class Launch:
         return {k: (REDACTED if k in SECRET_ENV else v) for k, v in self.env.items()}
 
     def shell(self) -> str:
-        """A copy-pasteable rendering (secrets redacted)."""
-        env = " \\\n".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.redacted_env().items()))
-        args = " \\\n  ".join(shlex.quote(a) for a in self.argv)
-        return f"{env} \\\n{args}\n" if env else args + "\n"
+        """A copy-pasteable rendering, one flag and its value per line (secrets redacted)."""
+        lines = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.redacted_env().items())]
+        words: list[str] = []
+        for arg in self.argv:
+            if words and words[-1].startswith("--") and " " not in words[-1] and not arg.startswith("--"):
+                words[-1] += " " + shlex.quote(arg)
+            else:
+                words.append(shlex.quote(arg))
+        return " \\\n".join(lines + [words[0]] + ["  " + w for w in words[1:]]) + "\n"
 
 
 def node_env(cluster: Cluster, node: NodeConfig, gid_index: str | None = None) -> dict[str, str]:

@@ -1,0 +1,224 @@
+"""`dspark serve` as a real process, with a stand-in for vLLM: readiness, sd_notify,
+signals, escalation and exit codes. (The real vLLM pair is in test_local_pair.py.)"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import dspark_cmd, get_json
+from dspark import config as C
+from dspark.supervisor import EXIT_CONFIG, EXIT_DIED, EXIT_NEVER_READY, EXIT_OK
+
+STANDIN = Path(__file__).parent / "standin_vllm.py"
+
+
+def free_port(host="127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def write_cluster(tmp: Path, nodes: int = 1, **supervisor) -> Path:
+    (tmp / "model").mkdir(exist_ok=True)
+    sup = {"liveness_interval_s": 0.5, "liveness_timeout_s": 1.0, "liveness_failures": 2, "stop_grace_s": 2.0,
+           "ready_timeout_s": 30.0, "head_lost_s": 2.0, **supervisor}
+    entries = [{"name": "h", "rank": 0, "address": "127.0.0.1", "api_host": "127.0.0.1",
+                "api_port": free_port(), "agent_port": free_port(), "master_port": free_port()}]
+    if nodes == 2:
+        entries.append({"name": "w", "rank": 1, "address": "127.0.0.2", "agent_port": free_port("127.0.0.2")})
+    data = {"model": {"path": str(tmp / "model"), "served_name": "m"},
+            "serving": {"vllm_command": [sys.executable, str(STANDIN)], "tensor_parallel_size": nodes,
+                        "speculative_config": {}, "env": {"FROM_CONFIG": "1"}},
+            "supervisor": sup, "nodes": entries}
+    path = tmp / "cluster.toml"
+    path.write_text(C.dumps(data))
+    return path
+
+
+class Serve:
+    """A `dspark serve` process with a real notify socket."""
+
+    def __init__(self, tmp: Path, cluster: Path, node: str, **standin_env):
+        self.sock_path = str(tmp / f"notify-{node}.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.sock_path)
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        env = {**os.environ, "NOTIFY_SOCKET": self.sock_path, "WATCHDOG_USEC": "4000000",
+               **{k: str(v) for k, v in standin_env.items()}}
+        self.cluster = C.load(cluster)
+        self.node = self.cluster.node(node)
+        self.proc = subprocess.Popen(dspark_cmd("serve", "--config", str(cluster), "--node", node, "--skip-plan",
+                                                "--state-dir", str(tmp / f"state-{node}")),
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.t0 = time.monotonic()
+
+    def read(self, until: str | None = None, timeout: float = 30) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except socket.timeout:
+                if self.proc.poll() is not None and until is None:
+                    break
+                continue
+            if until is not None and until in self.messages[-1]:
+                return self.messages
+        if until is not None:
+            raise AssertionError(f"no {until!r} within {timeout} s; got {self.messages}")
+        return self.messages
+
+    def state(self) -> dict:
+        return get_json(self.node.agent_url + "/state")
+
+    def wait(self, timeout: float = 30) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        self.read(timeout=0.3)
+        return rc
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def serve(tmp_path):
+    started: list[Serve] = []
+
+    def start(cluster, node, **env):
+        s = Serve(tmp_path, cluster, node, **env)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_head_ready_after_a_real_completion_then_clean_stop(tmp_path, serve):
+    cluster = write_cluster(tmp_path)
+    env_file, child_file = tmp_path / "env.json", tmp_path / "child.pid"
+    s = serve(cluster, "h", STANDIN_ENV_FILE=env_file, STANDIN_CHILD_FILE=child_file, STANDIN_READY_DELAY=1.0)
+    msgs = s.read(until="READY=1")
+    statuses = [m for m in msgs if m.startswith("STATUS=")]
+    assert statuses[0].startswith("STATUS=starting")
+    assert any("EXTEND_TIMEOUT_USEC=" in m for m in msgs)
+    assert msgs[-1] == f"READY=1\nSTATUS=serving: API on {s.node.api_url}"
+    st = s.state()
+    assert st["state"] == "serving" and st["liveness"]["ok"] and st["vllm_version"] == "0.28.0-standin"
+    s.read(until="WATCHDOG=1", timeout=10)  # pinged while liveness holds
+    # vLLM's environment: the config's, without the notify protocol's variables
+    child_env = json.loads(env_file.read_text())
+    assert child_env["FROM_CONFIG"] == "1" and child_env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(child_env)
+    grandchild = int(child_file.read_text())
+    vllm_pid = st["vllm_pid"]
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait() == EXIT_OK
+    assert any(m.startswith("STOPPING=1") for m in s.messages)
+    assert not alive(vllm_pid) and not alive(grandchild)  # the whole process group is gone
+
+
+def test_sigkill_after_the_grace_period(tmp_path, serve):
+    cluster = write_cluster(tmp_path, stop_grace_s=1.5)
+    s = serve(cluster, "h", STANDIN_IGNORE_TERM=1)
+    s.read(until="READY=1")
+    pid = s.state()["vllm_pid"]
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGINT)
+    assert s.wait() == EXIT_OK
+    took = time.monotonic() - t0
+    assert not alive(pid) and 1.4 < took < 10, took
+
+
+def test_never_ready_exit_code(tmp_path, serve):
+    s = serve(write_cluster(tmp_path), "h", STANDIN_EXIT_AFTER=0.1, STANDIN_READY_DELAY=5)
+    assert s.wait() == EXIT_NEVER_READY
+    assert not any(m.startswith("READY=1") for m in s.messages)
+    assert "before becoming ready" in s.messages[-1]
+
+
+def test_vllm_exit_while_serving(tmp_path, serve):
+    s = serve(write_cluster(tmp_path), "h", STANDIN_EXIT_AFTER=4)
+    s.read(until="READY=1")
+    assert s.wait() == EXIT_DIED
+    assert "while serving" in s.messages[-1]
+
+
+def test_liveness_lost_although_health_answers(tmp_path, serve):
+    # /health keeps answering 200; only real completions fail (as after a worker died).
+    s = serve(write_cluster(tmp_path), "h", STANDIN_FAIL_AFTER=3)
+    s.read(until="READY=1")
+    t_fail = s.t0 + 3
+    assert s.wait(timeout=30) == EXIT_DIED
+    assert "liveness lost" in s.messages[-1]
+    assert time.monotonic() - t_fail < 10
+
+
+def test_worker_ready_in_the_rendezvous_and_leaves_when_the_head_is_gone(tmp_path, serve):
+    cluster = write_cluster(tmp_path, nodes=2)
+    w = serve(cluster, "w")
+    msgs = w.read(until="READY=1")
+    assert "rendezvous" in msgs[-1] or "loading" in msgs[-1] or "warming" in msgs[-1]
+    h = serve(cluster, "h")
+    h.read(until="READY=1")
+    deadline = time.monotonic() + 10
+    while w.state()["state"] != "serving" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert w.state()["state"] == "serving"
+    h.proc.send_signal(signal.SIGKILL)  # the head vanishes without a word
+    h.proc.wait()
+    assert w.wait(timeout=20) == EXIT_DIED
+    assert "pair broken" in w.messages[-1]
+
+
+def test_head_waits_for_the_worker_before_starting_vllm(tmp_path, serve):
+    cluster = write_cluster(tmp_path, nodes=2)
+    env_file = tmp_path / "head-env.json"
+    h = serve(cluster, "h", STANDIN_ENV_FILE=env_file)
+    h.read(until="waiting for w", timeout=10)
+    time.sleep(1.5)
+    assert not env_file.exists() and h.state()["state"] == "rendezvous"
+    serve(cluster, "w").read(until="READY=1")
+    h.read(until="READY=1")
+    assert env_file.exists()
+
+
+def test_refuses_a_plan_that_does_not_fit(tmp_path):
+    cluster = write_cluster(tmp_path)
+    (tmp_path / "model" / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+        "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "num_hidden_layers": 80, "vocab_size": 128256, "torch_dtype": "bfloat16",
+        "max_position_embeddings": 8192}))
+    text = cluster.read_text().replace("[serving]", "[serving]\nusable_memory_gib = 0.5\nmax_model_len = 8192")
+    cluster.write_text(text)
+    env_file = tmp_path / "env.json"
+    r = subprocess.run(dspark_cmd("serve", "--config", str(cluster), "--node", "h"), capture_output=True, text=True,
+                       env={**os.environ, "STANDIN_ENV_FILE": str(env_file)}, timeout=60)
+    assert r.returncode == EXIT_CONFIG, r.stderr
+    assert "refusing to start" in r.stderr and "Traceback" not in r.stderr
+    assert not env_file.exists()  # vLLM was never started
