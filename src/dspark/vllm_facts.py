@@ -35,6 +35,8 @@ VERSION = "/version"
 MODELS = "/v1/models"
 METRICS = "/metrics"
 COMPLETIONS = "/v1/completions"
+# /v1/models: each entry's "id" is a served name and "max_model_len" the longest context.
+MODELS_MAX_LEN_FIELD = "max_model_len"
 
 # --- Prometheus metric families (as prometheus_client's parser names them: counters lose
 # their `_total` suffix in the family name, samples keep it) -----------------------------
@@ -42,6 +44,8 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PROMPT_TOKENS = "vllm:prompt_tokens"
+PROMPT_TOKENS_CACHED = "vllm:prompt_tokens_cached"
+NUM_PREEMPTIONS = "vllm:num_preemptions"
 GENERATION_TOKENS = "vllm:generation_tokens"
 REQUEST_SUCCESS = "vllm:request_success"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
@@ -56,3 +60,13 @@ PREFILL_TIME = "vllm:request_prefill_time_seconds"
 PREFILL_KV_COMPUTED = "vllm:request_prefill_kv_computed_tokens"
 REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
 REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+# Every sample carries these labels; one server may serve several engines (data parallel).
+MODEL_LABEL = "model_name"
+ENGINE_LABEL = "engine"
+# An info gauge (value 1) whose labels are the KV-cache settings: block_size, cache_dtype,
+# enable_prefix_caching, num_gpu_blocks, kv_cache_size_tokens, ...
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+PREEMPTIONS = "vllm:num_preemptions"
+# Written by prometheus_client's process collector into vLLM's /metrics: a change means the
+# API server restarted, so every counter started again from zero.
+PROCESS_START_TIME = "process_start_time_seconds"

@@ -1,0 +1,53 @@
+"""`dspark dashboard`: only forwards its options to dashboard.server.serve()."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..config import DEFAULT_CONFIG_PATH
+
+
+@click.command("dashboard")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=DEFAULT_CONFIG_PATH, show_default=True, help="The cluster file.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; anything but loopback needs --token-file.")
+@click.option("--port", default=8899, show_default=True, type=click.IntRange(0, 65535), help="Port to bind.")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="File holding the access token (mode 600). Default: the systemd credential "
+                   "'dashboard-token' when the unit loads one.")
+@click.option("--node", default=None,
+              help="The node this host is (its GPU and NVMe are read here). Default: $DSPARK_NODE, then the host name.")
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.2, 60), help="Seconds between polls.")
+def dashboard(config_path: Path, host: str, port: int, token_file: Path | None, node: str | None,
+              interval: float) -> None:
+    """Live web dashboard of the pair (read-only; one poller for every open page)."""
+    from ..config import ConfigError, load
+    from ..supervisor import read_api_key
+    from .collector import Collector, Targets
+    from .server import DashboardError, default_token_file, load_token, serve
+
+    try:
+        cluster = load(config_path)
+    except ConfigError as e:
+        raise click.ClickException(e.render()) from None
+    try:
+        local = cluster.node(node).name
+    except ConfigError:
+        if node:
+            raise click.ClickException(f"no node named {node!r} in {config_path}") from None
+        local = None  # not one of the nodes: show n/a rather than guess whose hardware this is
+    try:
+        tf = token_file or default_token_file()
+        token = load_token(tf) if tf else None
+        collector = Collector(Targets.from_cluster(cluster, local_node=local), interval_s=interval,
+                              api_token=read_api_key())
+        code = serve(collector, host=host, port=port, token=token,
+                     on_ready=lambda s: click.echo(f"dashboard on {s.url}", err=True))
+    except DashboardError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot bind {host}:{port}: {e.strerror}") from None
+    raise SystemExit(code)

@@ -1,0 +1,296 @@
+"""The collector: ONE thread polls vLLM's /metrics and every node agent once per interval,
+keeps a bounded history, and renders the JSON snapshot once per round. Every browser client
+is served those same bytes, so N open pages cost N small copies, not N scrapes.
+
+Nothing the targets answer can stop the thread: an unreachable or malformed /metrics makes
+the vLLM part "unavailable" (available: false, error: why) until a good answer comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import agent as A
+from .. import vllm_facts as F
+from ..config import Cluster
+from ..http import HTTPFailure, request
+from . import hardware, rates
+from .metrics import MetricsError, Scrape, parse
+
+SCHEMA_VERSION = 1
+# An agent that answered before and has been silent this long is reported failed: its
+# supervisor (the unit's main process) exited or its host is gone. A node that failed while
+# serving exits right away, so its own "failed" answer is rarely there to be seen.
+LOST_AFTER_S = 2.0
+VERSION_REFRESH_S = 30.0
+
+
+@dataclass(frozen=True)
+class NodeTarget:
+    name: str
+    rank: int
+    role: str
+    agent_url: str
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What the collector polls: the head's API and each node's agent."""
+
+    api_url: str
+    nodes: tuple[NodeTarget, ...]
+    local_node: str | None = None  # the node this host is: its GPU/NVMe are read here
+
+    @classmethod
+    def from_cluster(cls, cluster: Cluster, local_node: str | None = None) -> "Targets":
+        nodes = tuple(NodeTarget(n.name, n.rank, "head" if n.is_head else "worker", n.agent_url)
+                      for n in sorted(cluster.nodes, key=lambda n: n.rank))
+        return cls(api_url=cluster.head.api_url.rstrip("/"), nodes=nodes, local_node=local_node)
+
+
+@dataclass
+class _NodeMemory:
+    last_ok: float | None = None  # monotonic time of the last answer
+    last: dict | None = None
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+class Collector:
+    def __init__(self, targets: Targets, *, interval_s: float = 1.0, history_len: int = 300,
+                 window_s: float = 60.0, api_token: str | None = None, gpu: hardware.Gpu | None = None,
+                 hwmon: Path = hardware.HWMON, timeout_s: float | None = None):
+        self.targets = targets
+        self.interval_s = interval_s
+        self.api_token = api_token
+        self.timeout_s = timeout_s if timeout_s is not None else max(2.0, 2 * interval_s)
+        self.gpu = gpu or hardware.Gpu()
+        self.hwmon = hwmon
+        self.history: deque[tuple] = deque(maxlen=history_len)
+        self.scrapes: deque[Scrape] = deque(maxlen=max(2, int(window_s / interval_s) + 1))
+        self.window_s = window_s
+        self.resets = 0
+        self.rounds = 0
+        self._active = {"decode_tps": [0.0, 0], "prefill_tps": [0.0, 0]}  # sum, samples
+        self._last_interval: rates.Interval | None = None
+        self._nodes = {n.name: _NodeMemory() for n in targets.nodes}
+        self._version: str | None = None
+        self._version_at = -VERSION_REFRESH_S
+        self._lock = threading.Lock()
+        self._snapshot: dict = {}
+        self._json = b"{}"
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=len(targets.nodes) + 1, thread_name_prefix="dashboard-fetch")
+        self._thread = threading.Thread(target=self._run, name="dashboard-collector", daemon=True)
+        self._render(time.monotonic(), None, "not polled yet", {})
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> "Collector":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.timeout_s + 5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception as e:  # noqa: BLE001 (the page must keep updating whatever happens)
+                with self._lock:
+                    self._snapshot["collector_error"] = f"{type(e).__name__}: {e}"
+                    self._json = json.dumps(self._snapshot).encode()
+            next_at += self.interval_s
+            now = time.monotonic()
+            if next_at < now:  # a slow round: skip the missed ticks rather than burst
+                next_at = now
+            self._stop.wait(next_at - now)
+
+    # ------------------------------------------------------------------- reading
+    def snapshot(self) -> dict:
+        with self._lock:
+            return self._snapshot
+
+    def snapshot_json(self) -> bytes:
+        with self._lock:
+            return self._json
+
+    # ------------------------------------------------------------------- one round
+    def tick(self) -> dict:
+        """Poll everything once (concurrently, each with a timeout) and render the snapshot."""
+        metrics_f = self._pool.submit(self._fetch_metrics)
+        agent_fs = {n.name: self._pool.submit(self._fetch_agent, n.agent_url) for n in self.targets.nodes}
+        now = time.monotonic()
+        scrape, error = metrics_f.result()
+        agents = {name: f.result() for name, f in agent_fs.items()}
+        if scrape is not None:
+            if self.scrapes:
+                iv = rates.interval(self.scrapes[-1], scrape)
+                if iv.reset:
+                    self.resets += 1
+                    self.scrapes.clear()  # the latency window restarts with the new process
+                self._last_interval = iv
+                if iv.active:
+                    for key in self._active:
+                        v = getattr(iv, key)
+                        if v:
+                            self._active[key][0] += v
+                            self._active[key][1] += 1
+            self.scrapes.append(scrape)
+        else:
+            self._last_interval = None
+        self.rounds += 1
+        return self._render(now, scrape, error, agents)
+
+    def _fetch_metrics(self) -> tuple[Scrape | None, str | None]:
+        url = self.targets.api_url + F.METRICS
+        try:
+            r = request(url, timeout=self.timeout_s, token=self.api_token)
+        except HTTPFailure as e:
+            return None, f"unreachable: {e}"
+        at = time.monotonic()
+        if r.status != 200:
+            return None, f"{url}: HTTP {r.status}"
+        try:
+            return parse(r.body.decode("utf-8", errors="replace"), at), None
+        except MetricsError as e:
+            return None, str(e)
+
+    def _fetch_agent(self, url: str) -> dict | None:
+        try:
+            r = request(url.rstrip("/") + "/state", timeout=self.timeout_s)
+            if r.status == 200:
+                s = r.json()
+                if isinstance(s, dict) and isinstance(s.get("state"), str):
+                    return s
+        except (HTTPFailure, ValueError):
+            pass
+        return None
+
+    def _vllm_version(self, agents: dict) -> str | None:
+        for n in self.targets.nodes:  # the agents know it already: no extra request to vLLM
+            v = (agents.get(n.name) or {}).get("vllm_version")
+            if v:
+                self._version = v
+                return v
+        now = time.monotonic()
+        if now - self._version_at >= VERSION_REFRESH_S:
+            self._version_at = now
+            try:
+                r = request(self.targets.api_url + F.VERSION, timeout=self.timeout_s, token=self.api_token)
+                if r.status == 200:
+                    self._version = r.json().get("version") or self._version
+            except (HTTPFailure, ValueError, AttributeError):
+                pass
+        return self._version
+
+    # ------------------------------------------------------------------- rendering
+    def _node(self, t: NodeTarget, s: dict | None, now: float) -> dict:
+        mem = self._nodes[t.name]
+        if s is not None:
+            mem.last_ok, mem.last = now, s
+        last = mem.last or {}
+        silent = None if mem.last_ok is None else now - mem.last_ok
+        if s is not None:
+            state, detail = s["state"], s.get("detail", "")
+        elif mem.last_ok is None:
+            state, detail = "unreachable", f"agent {t.agent_url} has not answered"
+        elif last.get("state") in (A.STOPPING, A.STOPPED):
+            state, detail = A.STOPPED, f"agent gone after it reported {last.get('state')}"
+        elif silent >= LOST_AFTER_S:
+            state = A.FAILED
+            detail = f"agent unreachable for {silent:.0f} s (last reported {last.get('state')})"
+        else:
+            state, detail = last.get("state", "unreachable"), "agent did not answer this round"
+        if isinstance(last.get("hardware"), dict):
+            hw, source = last["hardware"], "agent"
+        elif t.name == self.targets.local_node:
+            hw, source = hardware.read_local(self.gpu, self.hwmon), "local"
+        else:
+            hw, source = {"gpus": [], "nvme_temperature_c": None}, None
+        return {
+            "name": t.name, "rank": t.rank, "role": t.role, "agent_url": t.agent_url,
+            "reachable": s is not None, "state": state, "detail": detail,
+            "silent_s": _r(silent, 1) if s is None else 0.0,
+            "restarts": last.get("restarts"), "vllm_pid": last.get("vllm_pid"),
+            "vllm_version": last.get("vllm_version"), "uptime_s": last.get("uptime_s"),
+            "hardware": {"source": source, "gpus": hw.get("gpus") or [],
+                         "nvme_temperature_c": hw.get("nvme_temperature_c")},
+        }
+
+    def _render(self, now: float, scrape: Scrape | None, error: str | None, agents: dict) -> dict:
+        iv = self._last_interval
+        nodes = [self._node(t, agents.get(t.name), now) for t in self.targets.nodes]
+
+        def active_avg(key: str) -> float | None:
+            total, n = self._active[key]
+            return total / n if n else None
+
+        vllm: dict = {"available": scrape is not None, "error": error, "url": self.targets.api_url,
+                      "version": self._vllm_version(agents) if self.rounds else None,
+                      "counter_resets": self.resets}
+        if scrape is not None:
+            c, g = scrape.counters, scrape.gauges
+            old = self.scrapes[0] if self.scrapes and self.scrapes[0] is not scrape else None
+            vllm.update({
+                "throughput": {
+                    "decode_tps": {"current": _r(iv.decode_tps if iv else None),
+                                   "active_avg": _r(active_avg("decode_tps"))},
+                    "prefill_tps": {"current": _r(iv.prefill_tps if iv else None),
+                                    "active_avg": _r(active_avg("prefill_tps"))},
+                },
+                "tokens": {"prompt_total": c.get(F.PROMPT_TOKENS), "generation_total": c.get(F.GENERATION_TOKENS),
+                           "requests_finished": c.get(F.REQUEST_SUCCESS), "preemptions": c.get(F.PREEMPTIONS)},
+                "requests": {"running": g.get(F.RUNNING), "waiting": g.get(F.WAITING)},
+                "kv_cache_usage": _r(g.get(F.KV_USAGE), 4),
+                "latency": {"window_s": _r(scrape.at - old.at, 1) if old else 0.0,
+                            **{key: {k: _r(v, 6) for k, v in rates.latency(old, scrape, name).items()}
+                               for key, name in (("ttft_s", F.TTFT), ("itl_s", F.ITL), ("e2e_s", F.E2E))}},
+                "spec_decode": self._spec(scrape, iv),
+            })
+        else:
+            vllm.update({"throughput": None, "tokens": None, "requests": None, "kv_cache_usage": None,
+                         "latency": None, "spec_decode": None})
+        if self.rounds:
+            g = scrape.gauges if scrape is not None else {}
+            self.history.append((round(time.time(), 3), _r(iv.decode_tps if iv else None),
+                                 _r(iv.prefill_tps if iv else None), g.get(F.RUNNING), g.get(F.WAITING),
+                                 _r(g.get(F.KV_USAGE), 4)))
+        cols = list(zip(*self.history)) if self.history else [()] * 6
+        snap = {
+            "schema_version": SCHEMA_VERSION,
+            "generated_at": round(time.time(), 3),
+            "interval_s": self.interval_s,
+            "round": self.rounds,
+            "serving": scrape is not None and bool(nodes) and all(n["state"] == A.SERVING for n in nodes),
+            "vllm": vllm,
+            "nodes": nodes,
+            "history": {"capacity": self.history.maxlen, **{k: list(v) for k, v in zip(
+                ("t", "decode_tps", "prefill_tps", "running", "waiting", "kv_cache_usage"), cols)}},
+        }
+        data = json.dumps(snap, separators=(",", ":")).encode()
+        with self._lock:
+            self._snapshot, self._json = snap, data
+        return snap
+
+    @staticmethod
+    def _spec(scrape: Scrape, iv: rates.Interval | None) -> dict | None:
+        life = rates.spec_decode(scrape)
+        if life is None:
+            return None
+        return {"acceptance_rate": {"current": _r(iv.spec_acceptance if iv else None, 4),
+                                    "lifetime": _r(life["acceptance_rate"], 4)},
+                "mean_acceptance_length": _r(life["mean_acceptance_length"], 3),
+                "draft_tokens": life["draft_tokens"], "accepted_tokens": life["accepted_tokens"]}

@@ -1,0 +1,222 @@
+// dspark dashboard page: reads /api/v1/snapshot from the server that served it, once a second.
+// No other origin, no inline script (the server's Content-Security-Policy forbids both).
+"use strict";
+
+const SNAPSHOT = "/api/v1/snapshot";
+const TOKEN_KEY = "dspark-dashboard-token";
+const PERIOD_MS = 1000;
+const NS = "http://www.w3.org/2000/svg";
+
+// A token in the URL fragment (#token=...) never reaches any server; keep it for this tab only.
+if (location.hash.startsWith("#token=")) {
+  sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(location.hash.slice(7)));
+  history.replaceState(null, "", location.pathname);
+}
+
+function lookup(obj, path) {
+  return path.split(".").reduce((o, k) => (o === null || o === undefined ? undefined : o[k]), obj);
+}
+
+const fmt = {
+  num(x, d) { return x.toLocaleString("en-US", {minimumFractionDigits: d, maximumFractionDigits: d}); },
+  int(x) { return Math.round(x).toLocaleString("en-US"); },
+  pct(x) { return (x * 100).toFixed(1) + " %"; },
+  secs(x) { return x < 1 ? (x * 1000).toFixed(1) + " ms" : x.toFixed(2) + " s"; },
+  dur(s) {
+    if (s < 120) return s.toFixed(0) + " s";
+    if (s < 7200) return (s / 60).toFixed(0) + " min";
+    return (s / 3600).toFixed(1) + " h";
+  },
+};
+
+function formatField(path, v) {
+  if (path.includes("_tps.")) return fmt.num(v, 1);
+  if (path.startsWith("vllm.tokens.") || path.startsWith("vllm.requests.")) return fmt.int(v);
+  if (path === "vllm.kv_cache_usage" || path.includes("acceptance_rate")) return fmt.pct(v);
+  if (path === "vllm.latency.window_s") return fmt.int(v);
+  if (path.startsWith("vllm.latency.")) return fmt.secs(v);
+  if (path.endsWith("mean_acceptance_length")) return fmt.num(v, 2);
+  return String(v);
+}
+
+function setText(el, text, cls) {
+  if (el.textContent !== text) el.textContent = text;
+  el.classList.toggle("unavailable", cls === "unavailable");
+  el.classList.toggle("none", cls === "none");
+}
+
+function renderFields(snap) {
+  const vllm = snap.vllm;
+  for (const el of document.querySelectorAll("[data-field]")) {
+    const path = el.dataset.field;
+    if (!path.startsWith("vllm.")) continue;
+    const v = lookup(snap, path);
+    if (path === "vllm.version") { setText(el, v || "unknown"); continue; }
+    if (!vllm.available) { setText(el, "unavailable", "unavailable"); continue; }
+    if (path.startsWith("vllm.spec_decode.") && vllm.spec_decode === null) { setText(el, "off", "none"); continue; }
+    if (v === null || v === undefined) { setText(el, "—", "none"); continue; }
+    setText(el, formatField(path, v));
+  }
+  const kv = vllm.available ? vllm.kv_cache_usage : null;
+  document.getElementById("kv-bar").style.width = kv === null ? "0" : Math.min(100, kv * 100).toFixed(1) + "%";
+}
+
+function na(x, f) { return x === null || x === undefined ? "n/a" : f(x); }
+
+function nodeCard(n) {
+  const card = document.createElement("div");
+  card.className = "node";
+  card.dataset.node = n.name;
+  const h = document.createElement("h3");
+  h.textContent = `${n.name} `;
+  const sub = document.createElement("small");
+  sub.textContent = `rank ${n.rank} · ${n.role}`;
+  h.append(sub);
+  const state = document.createElement("div");
+  state.className = "state";
+  state.dataset.field = "state";
+  const detail = document.createElement("div");
+  detail.className = "detail";
+  detail.dataset.field = "detail";
+  const table = document.createElement("table");
+  for (const [key, label] of [["restarts", "restarts"], ["vllm_pid", "vLLM pid"], ["uptime", "uptime"],
+                              ["gpu_temp", "GPU temperature"], ["gpu_power", "GPU power"],
+                              ["gpu_util", "GPU utilization"], ["nvme_temp", "NVMe temperature"]]) {
+    const tr = table.insertRow();
+    tr.insertCell().textContent = label;
+    const td = tr.insertCell();
+    td.className = "v";
+    td.dataset.field = key;
+  }
+  card.append(h, state, detail, table);
+  return card;
+}
+
+function renderNodes(snap) {
+  const box = document.getElementById("nodes");
+  for (const n of snap.nodes) {
+    let card = box.querySelector(`.node[data-node="${CSS.escape(n.name)}"]`);
+    if (!card) { card = nodeCard(n); box.append(card); }
+    const st = card.querySelector('[data-field="state"]');
+    setText(st, n.state);
+    st.className = "state state-" + n.state;
+    card.classList.toggle("bad", ["failed", "unreachable", "stopped", "stopping"].includes(n.state));
+    setText(card.querySelector('[data-field="detail"]'), n.detail || "");
+    const gpu = (n.hardware.gpus || [])[0] || {};
+    const values = {
+      restarts: na(n.restarts, fmt.int),
+      vllm_pid: na(n.vllm_pid, String),
+      uptime: na(n.uptime_s, fmt.dur),
+      gpu_temp: na(gpu.temperature_c, (x) => x.toFixed(0) + " °C"),
+      gpu_power: na(gpu.power_w, (x) => x.toFixed(1) + " W"),
+      gpu_util: na(gpu.utilization_pct, (x) => x.toFixed(0) + " %"),
+      nvme_temp: na(n.hardware.nvme_temperature_c, (x) => x.toFixed(0) + " °C"),
+    };
+    for (const [k, text] of Object.entries(values)) {
+      setText(card.querySelector(`[data-field="${k}"]`), text, text === "n/a" ? "none" : undefined);
+    }
+  }
+}
+
+function segments(ts, ys, x, y) {
+  // one polyline per run of known values: a gap (vLLM unavailable) stays a gap
+  const out = [];
+  let cur = [];
+  ys.forEach((v, i) => {
+    if (v === null) { if (cur.length) out.push(cur); cur = []; return; }
+    cur.push(`${x(ts[i]).toFixed(1)},${y(v).toFixed(1)}`);
+  });
+  if (cur.length) out.push(cur);
+  return out;
+}
+
+function renderChart(snap) {
+  const svg = document.getElementById("chart");
+  const h = snap.history;
+  const W = 600, H = 170, P = 4;
+  while (svg.firstChild) svg.firstChild.remove();
+  const spanS = h.capacity * snap.interval_s;
+  const now = h.t.length ? h.t[h.t.length - 1] : snap.generated_at;
+  const all = h.decode_tps.concat(h.prefill_tps).filter((v) => v !== null);
+  const max = Math.max(1, ...all) * 1.1;
+  const x = (t) => W - ((now - t) / spanS) * W;
+  const y = (v) => H - P - (v / max) * (H - 2 * P);
+  for (let i = 1; i < 4; i++) {
+    const l = document.createElementNS(NS, "line");
+    l.setAttribute("x1", 0); l.setAttribute("x2", W);
+    l.setAttribute("y1", (H * i) / 4); l.setAttribute("y2", (H * i) / 4);
+    l.setAttribute("class", "grid");
+    svg.append(l);
+  }
+  for (const [key, cls] of [["prefill_tps", "prefill"], ["decode_tps", "decode"]]) {
+    for (const seg of segments(h.t, h[key], x, y)) {
+      const pl = document.createElementNS(NS, "polyline");
+      pl.setAttribute("points", seg.length === 1 ? `${seg[0]} ${seg[0]}` : seg.join(" "));
+      pl.setAttribute("class", "line " + cls);
+      svg.append(pl);
+    }
+  }
+  document.getElementById("chart-span").textContent = "−" + fmt.dur(spanS);
+  document.getElementById("chart-max").textContent = "max " + fmt.num(max / 1.1, 1) + " tok/s";
+}
+
+function render(snap) {
+  const pair = document.getElementById("pair");
+  pair.textContent = snap.serving ? "SERVING" : "NOT SERVING";
+  pair.className = "badge " + (snap.serving ? "ok" : "bad");
+  const banner = document.getElementById("banner");
+  if (!snap.vllm.available) {
+    banner.hidden = false;
+    banner.textContent = "vLLM metrics unavailable: " + (snap.vllm.error || "no answer");
+  } else {
+    banner.hidden = true;
+  }
+  renderFields(snap);
+  renderNodes(snap);
+  renderChart(snap);
+  document.getElementById("updated").textContent = new Date(snap.generated_at * 1000).toLocaleTimeString();
+  document.body.dataset.round = snap.round;
+}
+
+function askToken() {
+  const form = document.getElementById("token-form");
+  form.hidden = false;
+  document.getElementById("token-input").focus();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  document.getElementById("token-form").addEventListener("submit", (e) => {
+    e.preventDefault();  // never a request with the token in its URL
+    sessionStorage.setItem(TOKEN_KEY, document.getElementById("token-input").value.trim());
+    document.getElementById("token-form").hidden = true;
+  });
+  poll();
+});
+
+async function poll() {
+  const conn = document.getElementById("conn");
+  const ctl = new AbortController();
+  const timer = setTimeout(() => ctl.abort(), 3000);
+  try {
+    const headers = {};
+    const token = sessionStorage.getItem(TOKEN_KEY);
+    if (token) headers.Authorization = "Bearer " + token;
+    const r = await fetch(SNAPSHOT, {headers, cache: "no-store", signal: ctl.signal});
+    if (r.status === 401) {
+      conn.textContent = "access token required";
+      askToken();
+    } else if (!r.ok) {
+      conn.textContent = "dashboard answered HTTP " + r.status;
+    } else {
+      render(await r.json());
+      conn.textContent = "";
+      document.body.classList.remove("stale");
+    }
+  } catch (e) {
+    conn.textContent = "dashboard unreachable";
+    document.body.classList.add("stale");
+  } finally {
+    clearTimeout(timer);
+    setTimeout(poll, PERIOD_MS);
+  }
+}
