@@ -1,0 +1,189 @@
+"""The server under test: its address, what it says about itself, and one streamed
+completion timed on the client side (stdlib only: the bench must run from any machine
+that has dspark, and threads keep one stream per concurrent request)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+
+from .. import vllm_facts as F
+from ..http import HTTPFailure, get_json, request
+from . import metrics
+
+
+class BenchError(Exception):
+    """A benchmark that cannot go on (server unreachable, failing or unsuitable); the
+    message says what happened and is shown as is."""
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str                  # e.g. http://10.0.0.1:8888 (no trailing slash)
+    model: str | None = None  # served name; None = the server's only model
+    token: str | None = None  # API key, sent as a Bearer token
+    timeout_s: float = 600.0  # per request, and per read of a stream
+
+    def endpoint(self, path: str) -> str:
+        return self.url.rstrip("/") + path
+
+
+@dataclass
+class ServerInfo:
+    url: str
+    model: str
+    runtime_version: str | None
+    max_model_len: int | None
+    settings: dict = field(default_factory=dict)
+
+
+def _get(target: Target, path: str, timeout: float = 10.0):
+    try:
+        return get_json(target.endpoint(path), timeout=timeout, token=target.token)
+    except HTTPFailure as e:
+        raise BenchError(f"server unreachable or failing: {e}") from None
+
+
+def describe(target: Target) -> ServerInfo:
+    """Runtime version (/version), the served model and its max_model_len (/v1/models), and
+    the KV-cache settings vLLM publishes in /metrics."""
+    models = _get(target, F.MODELS)
+    entries = models.get("data") or [] if isinstance(models, dict) else []
+    names = [m.get("id") for m in entries]
+    if target.model is None:
+        if len(names) != 1:
+            raise BenchError(f"{target.url} serves {names or 'no models'}; name one with --model")
+        entry = entries[0]
+    else:
+        matches = [m for m in entries if m.get("id") == target.model]
+        if not matches:
+            raise BenchError(f"{target.url} does not serve model {target.model!r}; it serves {names}")
+        entry = matches[0]
+    try:
+        version = _get(target, F.VERSION).get("version")
+    except (BenchError, AttributeError):
+        version = None
+    max_len = entry.get(F.MODELS_MAX_LEN_FIELD)
+    info = ServerInfo(url=target.url, model=entry["id"], runtime_version=version,
+                      max_model_len=int(max_len) if max_len is not None else None)
+    try:
+        snap = scrape(target, entry["id"])
+        cache = snap.info(F.CACHE_CONFIG_INFO)
+        if cache:
+            info.settings["cache_config"] = {k: v for k, v in sorted(cache.items())
+                                             if k not in (F.ENGINE_LABEL, F.MODEL_LABEL)}
+    except BenchError:
+        pass  # metrics are checked again (and reported) where a benchmark needs them
+    return info
+
+
+def scrape(target: Target, model: str | None = None) -> metrics.Snapshot:
+    try:
+        r = request(target.endpoint(F.METRICS), timeout=30.0, token=target.token)
+    except HTTPFailure as e:
+        raise BenchError(f"server unreachable or failing: {e}") from None
+    if r.status != 200:
+        raise BenchError(f"{target.endpoint(F.METRICS)}: HTTP {r.status}")
+    snap = metrics.parse(r.body.decode("utf-8", "replace"), model=model)
+    return snap
+
+
+@dataclass
+class StreamResult:
+    """One streamed completion as the client saw it (perf_counter seconds)."""
+
+    started: float
+    first_token: float | None = None       # first chunk that carried a choice
+    finished: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrival of every choice chunk
+    prompt_tokens: int | None = None        # from the final usage chunk
+    completion_tokens: int | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.started
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished is None else self.finished - self.started
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between consecutive chunks after the first (vllm bench serve's ITL)."""
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        err = json.loads(body).get("error")
+        if isinstance(err, dict):
+            return err.get("message") or str(err)
+        return str(err or body[:300])
+    except (ValueError, AttributeError):
+        return body[:300].decode("utf-8", "replace")
+
+
+def stream_completion(target: Target, model: str, prompt: list[int] | tuple[int, ...], max_tokens: int,
+                      *, ignore_eos: bool = True, temperature: float = 0.0) -> StreamResult:
+    """POST a token-id prompt to /v1/completions with stream=true and time every chunk."""
+    u = urllib.parse.urlsplit(target.endpoint(F.COMPLETIONS))
+    body = json.dumps({
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "ignore_eos": ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }).encode()
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if target.token:
+        headers["Authorization"] = f"Bearer {target.token}"
+    conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(u.hostname, u.port, timeout=target.timeout_s)
+    where = f"{u.scheme}://{u.netloc}{u.path}"
+    result = StreamResult(started=time.perf_counter())
+    try:
+        conn.request("POST", u.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise BenchError(f"{where}: HTTP {resp.status}: {_error_message(resp.read())}")
+        done = False
+        while not done:
+            line = resp.readline()
+            if not line:
+                break
+            now = time.perf_counter()
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue  # blank separators and SSE comments
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise BenchError(f"{where}: the server failed mid-stream: {_error_message(data)}")
+            if chunk.get("choices"):
+                if result.first_token is None:
+                    result.first_token = now
+                result.chunk_times.append(now)
+            usage = chunk.get("usage")
+            if usage:
+                result.prompt_tokens = usage.get("prompt_tokens")
+                result.completion_tokens = usage.get("completion_tokens")
+        if not done:
+            raise BenchError(f"{where}: the stream ended early (no [DONE]); the server may have died")
+        result.finished = result.chunk_times[-1] if result.chunk_times else time.perf_counter()
+    except (OSError, http.client.HTTPException, socket.timeout) as e:
+        raise BenchError(f"server unreachable or failing: {where}: {getattr(e, 'strerror', None) or e}") from None
+    except ValueError as e:
+        raise BenchError(f"{where}: unreadable answer: {e}") from None
+    finally:
+        conn.close()
+    return result

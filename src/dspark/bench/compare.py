@@ -1,0 +1,117 @@
+"""Compare two reports of the same workload: a Markdown table of before, after and gain.
+
+Reports are comparable only when they sent identical prompts (same prompt-set SHA-256)
+with identical parameters; anything else is refused, because a difference in the input
+would show up as a difference in speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .report import Report, fmt
+
+# Parameters that shape the workload; a difference in any of them makes figures incomparable.
+WORKLOAD_PARAMS = ("lengths", "trials", "seed", "max_tokens", "concurrency", "output_len", "input_len",
+                   "rounds", "temperature", "ignore_eos")
+
+
+class CompareRefused(Exception):
+    """The two reports did not measure the same workload."""
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    unit: str
+    higher_is_better: bool
+    get: Callable[[object], float | None]
+    scale: float = 1.0
+
+
+PREFILL_FIGURES = (
+    Figure("TTFT median", "ms", False, lambda s: s.ttft_s, 1000.0),
+    Figure("client input tok/s", "tok/s", True, lambda s: s.client_input_tok_s),
+    Figure("server prefill tok/s", "tok/s", True, lambda s: s.server_prefill_tok_s),
+)
+DECODE_FIGURES = (
+    Figure("aggregate tok/s", "tok/s", True, lambda s: s.aggregate_tok_s),
+    Figure("per-stream decode tok/s (median)", "tok/s", True, lambda s: s.decode_tok_s_median),
+    Figure("TTFT p50", "ms", False, lambda s: s.ttft_s_p50, 1000.0),
+    Figure("ITL p50", "ms", False, lambda s: s.itl_s_p50, 1000.0),
+    Figure("ITL p99", "ms", False, lambda s: s.itl_s_p99, 1000.0),
+    Figure("spec acceptance rate", "%", True, lambda s: s.spec_acceptance_rate, 100.0),
+)
+
+
+def check_comparable(a: Report, b: Report) -> None:
+    if a.kind != b.kind:
+        raise CompareRefused(f"cannot compare a {a.kind} report with a {b.kind} report")
+    if a.prompt_set_sha256 != b.prompt_set_sha256:
+        detail = ""
+        for i, (x, y) in enumerate(zip(a.planned_prompts, b.planned_prompts)):
+            if x != y:
+                detail = f"; first difference at planned prompt {i}: {x[:12]}... vs {y[:12]}..."
+                break
+        else:
+            if len(a.planned_prompts) != len(b.planned_prompts):
+                detail = f"; {len(a.planned_prompts)} vs {len(b.planned_prompts)} planned prompts"
+        raise CompareRefused("prompt fingerprints differ: the reports did not send identical prompts "
+                             f"({a.prompt_set_sha256[:12]}... vs {b.prompt_set_sha256[:12]}...){detail}; "
+                             "rerun one with the other's parameters (--seed, lengths, trials)")
+    diff = [k for k in WORKLOAD_PARAMS if a.params.get(k) != b.params.get(k)]
+    if diff:
+        raise CompareRefused("workload parameters differ: " +
+                             ", ".join(f"{k} {a.params.get(k)!r} vs {b.params.get(k)!r}" for k in diff))
+
+
+def gain(before: float | None, after: float | None, higher_is_better: bool) -> float | None:
+    """Relative improvement: positive is better whichever way the figure points."""
+    if before is None or after is None or before <= 0 or after <= 0:
+        return None
+    return after / before - 1 if higher_is_better else before / after - 1
+
+
+def _g(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:+.1%}"
+
+
+def table(a: Report, b: Report) -> str:
+    """The comparison as Markdown; raises CompareRefused for different workloads."""
+    check_comparable(a, b)
+    if a.kind == "prefill":
+        key, what, figures = "length", "input tokens", PREFILL_FIGURES
+    else:
+        key, what, figures = "concurrency", "concurrency", DECODE_FIGURES
+    sa = {getattr(s, key): s for s in a.summary}
+    sb = {getattr(s, key): s for s in b.summary}
+    keys = [k for k in sa if k in sb]
+    la, lb = a.label, b.label
+    if la == lb:
+        la, lb = f"{la} (A)", f"{lb} (B)"
+    lines = [
+        f"# dspark bench compare ({a.kind}): {la} -> {lb}",
+        "",
+        f"- before: {a.label}, vLLM {a.server.get('runtime_version')}, started {a.started_at}"
+        + ("" if a.complete else " (INCOMPLETE)"),
+        f"- after: {b.label}, vLLM {b.server.get('runtime_version')}, started {b.started_at}"
+        + ("" if b.complete else " (INCOMPLETE)"),
+        f"- identical prompts: SHA-256 `{a.prompt_set_sha256}`",
+        "- gain: positive is better (throughput up, latency down)",
+        "",
+        f"| {what} | figure | {la} | {lb} | gain |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for k in keys:
+        for f in figures:
+            va, vb = f.get(sa[k]), f.get(sb[k])
+            if va is None and vb is None:
+                continue
+            sv = (lambda v: None if v is None else v * f.scale)
+            lines.append(f"| {k:,} | {f.name} ({f.unit}) | {fmt(sv(va))} | {fmt(sv(vb))} | "
+                         f"{_g(gain(va, vb, f.higher_is_better))} |")
+    missing = sorted((set(sa) ^ set(sb)))
+    if missing:
+        lines += ["", f"Only in one report (left out): {', '.join(map(str, missing))}"]
+    return "\n".join(lines) + "\n"
