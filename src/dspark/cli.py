@@ -197,11 +197,23 @@ def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None
 @click.option("--timeout", type=float, help="Seconds to wait (default: supervisor.worker_wait_timeout_s).")
 def wait_worker_cmd(config_path: Path | None, timeout: float | None) -> None:
     """Block until every worker's agent reports the rendezvous (or serving)."""
+    import time
+
+    from .notify import Notifier
     from .status import wait_for_workers
 
     cluster = load_cluster(config_path)
     timeout = cluster.supervisor.worker_wait_timeout_s if timeout is None else timeout
-    ok, message = wait_for_workers(cluster, timeout)
+    notify = Notifier()  # STATUS= lines under systemd (dspark-wait-worker.service), else nothing
+    deadline = time.monotonic() + timeout
+
+    def keep_going(waiting: list[str]) -> bool:
+        left = max(0.0, deadline - time.monotonic())
+        notify.status(f"waiting for {', '.join(waiting)} to enter the rendezvous ({left:.0f} s left)")
+        return True
+
+    ok, message = wait_for_workers(cluster, timeout, keep_going)
+    notify.status(message)
     if not ok:
         fail(message, 1)
     click.echo(message)

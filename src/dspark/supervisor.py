@@ -38,6 +38,14 @@ EXIT_CONFIG = 2          # refused before starting anything: bad config, plan do
 EXIT_NEVER_READY = 3     # vLLM exited or timed out before the node became ready
 EXIT_DIED = 4            # the node was serving (or in its pair) and then died or lost its pair
 
+# Restart backoff. The units restart a failed node after a short fixed RestartSec= (systemd 252
+# has no growing delay); the supervisor adds the growing part, from the failure history it
+# keeps in the state directory, and says so in a STATUS= line.
+BACKOFF_FIRST_S = 5.0
+BACKOFF_MAX_S = 300.0
+BACKOFF_STABLE_S = 120.0  # serving this long clears the history
+FAILURES_FILE = "failures.json"
+
 API_KEY_ENV = ("DSPARK_API_KEY", "VLLM_API_KEY")
 API_KEY_CREDENTIAL = "api-key"  # systemd LoadCredential= name
 
@@ -80,6 +88,44 @@ def resolve_gid_index(device: str, address: str, sysfs: Path = Path("/sys/class/
     return None
 
 
+def backoff_delay(failures: int) -> float:
+    """Seconds to wait before starting after `failures` consecutive failed runs: the first retry
+    at once (a pair re-forms after one death), then 5, 10, 20, ... up to BACKOFF_MAX_S."""
+    if failures <= 1:
+        return 0.0
+    return min(BACKOFF_FIRST_S * 2 ** (failures - 2), BACKOFF_MAX_S)
+
+
+class FailureHistory:
+    """This node's consecutive failed runs, in the state directory across restarts.
+
+    A run counts as failed from its start (a kill -9 or a watchdog abort leaves no chance to
+    write anything) until it has served BACKOFF_STABLE_S or stops cleanly."""
+
+    def __init__(self, state_dir: Path):
+        self.path = Path(state_dir) / FAILURES_FILE
+
+    def load(self) -> tuple[int, str]:
+        import json
+
+        try:
+            d = json.loads(self.path.read_text())
+            return max(0, int(d.get("consecutive", 0))), str(d.get("last", ""))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return 0, ""
+
+    def save(self, consecutive: int, last: str = "") -> None:
+        import json
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps({"consecutive": consecutive, "last": last, "at": time.time()}) + "\n")
+            tmp.replace(self.path)
+        except OSError:
+            pass
+
+
 @dataclass
 class Peer:
     node: NodeConfig
@@ -104,6 +150,7 @@ class Supervisor:
         log: TextIO | None = None,
         api_key: str | None = None,
         tick_s: float = 0.2,
+        backoff: bool = False,
     ):
         self.cluster = cluster
         self.node = node
@@ -113,6 +160,9 @@ class Supervisor:
         self.log = log or sys.stderr
         self.api_key = api_key
         self.tick_s = tick_s
+        self.history = FailureHistory(state_dir) if backoff and state_dir is not None else None
+        self._history_cleared = False
+        self._failures = 0  # consecutive failed runs before this one
         if launch is None:
             gid = None
             if node.gid_index == "auto" and node.rdma_device:
@@ -202,7 +252,13 @@ class Supervisor:
             return
         if proc.poll() is None:
             self.say(f"stopping vLLM (pid {proc.pid}): {reason}")
+            # The unit is stopping: systemd pauses the watchdog and gives the stop its time.
+            with self._lock:
+                status = f"{self.state.state}: {self.state.detail}" if self.state.detail else self.state.state
+            self.notify.send(stopping=1, status=status,
+                             extend_timeout_usec=int((self.sup.stop_grace_s + 15) * 1e6))
             _signal_group(proc.pid, signal.SIGTERM)
+            _signal_group(proc.pid, signal.SIGCONT)  # a stopped (hung) vLLM must see the SIGTERM
             deadline = time.monotonic() + self.sup.stop_grace_s
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -289,12 +345,38 @@ class Supervisor:
         self.set_state(A.STARTING, f"rank {self.node.rank} of {len(self.cluster.nodes)}")
         self.agent = A.Agent(self.node.agent_bind, self.node.agent_port, self.snapshot).start()
         try:
-            return self._run(wait_for_workers)
+            code = self._backoff() if self.history is not None else None
+            if code is None:
+                code = self._run(wait_for_workers)
+            if self.history is not None:
+                if code == EXIT_OK:
+                    self.history.save(0)
+                else:
+                    self.history.save(self._failures + 1, f"exit {code}: {self.state.detail}")
+            return code
         finally:
             if self.proc is not None:
                 self.stop_vllm("supervisor exiting")
             self.agent.stop()
             self.notify.close()
+
+    def _backoff(self) -> int | None:
+        """Wait out the delay the failure history calls for; EXIT_OK if stopped meanwhile."""
+        self._failures, last = self.history.load()
+        self.history.save(self._failures + 1, "did not finish: killed, crashed or watchdog timeout")
+        delay = backoff_delay(self._failures)
+        if delay <= 0:
+            return None
+        self.notify.extend_timeout(delay + 60)
+        self.set_state(A.STARTING, f"backoff: {self._failures} failed runs in a row (last: {last}); "
+                                   f"starting in {delay:.0f} s")
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline:
+            if self.exit_signal is not None:
+                self.set_state(A.STOPPED, "stopped during the restart backoff")
+                return EXIT_OK
+            time.sleep(self.tick_s)
+        return None
 
     def _run(self, wait_for_workers: bool) -> int:
         t_start = time.monotonic()
@@ -394,6 +476,12 @@ class Supervisor:
                     self.stop_vllm("rendezvous timed out")
                     return EXIT_NEVER_READY
 
+            if (self.history is not None and not self._history_cleared and self.state.state == A.SERVING
+                    and time.time() - self.state.state_since >= BACKOFF_STABLE_S):
+                self.history.save(0)  # served long enough: the next failure restarts at once
+                self._history_cleared = True
+                self._failures = 0
+
             wd = self.notify.watchdog_interval
             if self.ready and wd and now - last_dog >= wd and self._watchdog_ok(now):
                 self.notify.watchdog()
@@ -487,6 +575,8 @@ def _count_start(state_dir: Path | None) -> int:
 def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
           check_plan: Callable[[], None] | None = None) -> int:
     """The body of `dspark serve`: plan check, then supervise until stopped. Returns the exit code."""
-    sup = Supervisor(cluster, node, state_dir=state_dir, api_key=read_api_key())
+    # The restart backoff only matters where something restarts the node: under systemd.
+    sup = Supervisor(cluster, node, state_dir=state_dir, api_key=read_api_key(),
+                     backoff="INVOCATION_ID" in os.environ)
     sup.install_signal_handlers()
     return sup.run()

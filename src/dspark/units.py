@@ -1,0 +1,476 @@
+"""The systemd units of a dspark node: one source for their text (`dspark systemd render`).
+
+  dspark-worker.service        a worker (rank >= 1): `dspark serve`, Type=notify
+  dspark-head.service          the head (rank 0): `dspark serve`, Type=notify;
+                               Requires= and After= dspark-worker-ready.target
+  dspark-worker-ready.target   reached once dspark-wait-worker.service has succeeded
+  dspark-wait-worker.service   oneshot `dspark wait-worker`: the worker runs on another host,
+                               where systemd ordering cannot reach; its agent's state can
+  dspark-dashboard.service     `dspark dashboard`, on the head's host
+
+The units name no node and no cluster: `dspark serve` reads DSPARK_NODE and DSPARK_CONFIG
+from its environment. The NixOS module sets them in the units it enables (the package ships
+these texts under lib/systemd/system); on other hosts `dspark systemd install --node NAME`
+writes the units plus a drop-in per node (`node_dropins`). A host that runs both roles (the
+local appliance, a two-GPU box) gets one more drop-in that orders the head directly after
+its own worker.
+
+Restart policy. `Restart=on-failure` restarts a node after exit 3 (never ready) or 4 (died,
+lost its pair), a crash or a watchdog timeout; never after exit 2 (refused: a bad cluster
+file is not fixed by retrying). The growing, bounded delay between attempts lives in the
+supervisor (`supervisor.backoff_delay`, from the failure history in the state directory,
+announced as a STATUS= line), not in RestartSteps=/RestartMaxDelaySec=: those arrived in
+systemd 254, and DGX OS / Debian 12 run 252, where an unknown key is ignored with a warning
+and the unit would fall back to a fixed delay. One mechanism that works and shows itself in
+`systemctl status` on every host beats two that differ.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+HEAD = "dspark-head.service"
+WORKER = "dspark-worker.service"
+READY_TARGET = "dspark-worker-ready.target"
+WAIT_WORKER = "dspark-wait-worker.service"
+DASHBOARD = "dspark-dashboard.service"
+UNIT_NAMES = (WORKER, HEAD, READY_TARGET, WAIT_WORKER, DASHBOARD)
+
+USER = "dspark"
+DEFAULT_CONFIG = "/etc/dspark/cluster.toml"
+SYSTEM_UNIT_DIR = "etc/systemd/system"
+SYSUSERS_FILE = "etc/sysusers.d/dspark.conf"
+NODE_DROPIN = "50-dspark-node.conf"
+LOCAL_PAIR_DROPIN = "60-dspark-local-pair.conf"
+
+# WATCHDOG=1 goes out every WatchdogSec/2, and on the head only while a real 1-token
+# completion succeeded within liveness_interval_s + liveness_timeout_s. With the defaults
+# (5 s, 10 s, 2 failures) a hung vLLM stops the pings 15 s after its last answer and the
+# watchdog fires at most 5 s later, before the supervisor's own liveness verdict (25 s).
+WATCHDOG_S = 5
+# Covers the start until the supervisor's first EXTEND_TIMEOUT_USEC; from then on it extends
+# the start by 90 s every 30 s while the model loads (bounded by ready_timeout_s).
+START_TIMEOUT = "5min"
+# Above the default stop_grace_s (30 s) plus the sweep of vLLM's process group; a larger
+# stop_grace_s is covered by the supervisor's EXTEND_TIMEOUT_USEC when it starts stopping.
+STOP_TIMEOUT_S = 60
+RESTART_SEC = 2
+# A safety net only: with the supervisor's backoff (0, 5, 10, 20, ... 300 s) ten starts need
+# more than 15 minutes, so this trips only if the backoff cannot work (state dir unwritable).
+START_LIMIT = ("10min", 10)
+
+# Persistent JIT caches: a kernel compiled once (Triton, FlashInfer, CUTLASS DSL, torch.compile,
+# CUDA's PTX JIT) is reused after a restart instead of compiling in the middle of serving,
+# which has killed pairs before. All of them live under CacheDirectory=dspark.
+CACHE_ENV = (
+    ("XDG_CACHE_HOME", "%C/dspark"),
+    ("VLLM_CACHE_ROOT", "%C/dspark/vllm"),  # torch.compile artifacts (torch_compile_cache)
+    ("TORCHINDUCTOR_CACHE_DIR", "%C/dspark/torchinductor"),
+    ("TRITON_CACHE_DIR", "%C/dspark/triton"),
+    ("FLASHINFER_WORKSPACE_BASE", "%C/dspark/flashinfer"),
+    ("CUTE_DSL_CACHE_DIR", "%C/dspark/cutlass-dsl"),
+    ("TORCH_EXTENSIONS_DIR", "%C/dspark/torch-extensions"),
+    ("CUDA_CACHE_PATH", "%C/dspark/cuda"),
+    ("CUDA_CACHE_MAXSIZE", "4294967296"),  # CUDA's default (256 MiB) evicts a DeepSeek build's kernels
+)
+
+# Only the NVIDIA and RDMA character devices (resolved by name from /proc/devices at start).
+DEVICES = (
+    ("char-nvidia-frontend", "/dev/nvidia0.., /dev/nvidiactl, /dev/nvidia-modeset"),
+    ("char-nvidia-uvm", "/dev/nvidia-uvm, /dev/nvidia-uvm-tools"),
+    ("char-nvidia-caps", "/dev/nvidia-caps/*"),
+    ("char-infiniband_verbs", "/dev/infiniband/uverbs*: NCCL over RoCE"),
+    ("/dev/infiniband/rdma_cm", "RDMA connection manager"),
+)
+
+
+def _section(name: str, lines: list[str]) -> str:
+    return f"[{name}]\n" + "\n".join(lines) + "\n"
+
+
+def _unit(*sections: str, header: str) -> str:
+    return header + "\n" + "\n".join(sections)
+
+
+def exec_quote(word: str) -> str:
+    """One word of an Exec*= line: specifiers (%) and variables ($) escaped, quoted when it
+    has blanks, quotes or backslashes."""
+    word = word.replace("%", "%%").replace("$", "$$")
+    if not word or any(c in word for c in " \t\"'\\;"):
+        return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return word
+
+
+def _header(what: str) -> str:
+    return (f"# {what}\n"
+            "# Rendered by `dspark systemd render`; change dspark, not this file (drop-ins go in\n"
+            "# the unit's .d directory).\n")
+
+
+def _common_hardening(devices: bool) -> list[str]:
+    lines = [
+        "# Hardening. Everything is read-only but the state and cache directories.",
+        "ProtectSystem=strict",
+        "# Model directories may live under /home on DGX OS: readable, never writable.",
+        "ProtectHome=read-only",
+        "PrivateTmp=yes",
+        "NoNewPrivileges=yes",
+        "CapabilityBoundingSet=",
+        "AmbientCapabilities=",
+        "ProtectKernelTunables=yes",
+        "# The NVIDIA and RDMA modules are loaded at boot (nvidia-modprobe is setuid, which",
+        "# NoNewPrivileges forbids anyway).",
+        "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
+        "ProtectControlGroups=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
+        "RestrictSUIDSGID=yes",
+        "LockPersonality=yes",
+        "SystemCallArchitectures=native",
+        "# Netlink: libibverbs enumerates RDMA devices over NETLINK_RDMA, NCCL and Gloo list",
+        "# interfaces; the rest is TCP (API, agents, rendezvous) and Unix sockets.",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+        "UMask=0027",
+        "# Not set, on purpose: MemoryDenyWriteExecute= (Triton, torch.compile and CUDA JIT",
+        "# write executable code), SystemCallFilter= (CUDA, NCCL and their IPC across the",
+        "# engine's processes are not verified under a filter), RemoveIPC= (on a host running",
+        "# both roles, stopping one unit would remove the other's shared memory).",
+    ]
+    if devices:
+        lines += [
+            "# PrivateDevices= would hide the GPU: off, and a closed device list instead.",
+            "PrivateDevices=no",
+            "DevicePolicy=closed",
+        ]
+        for spec, why in DEVICES:
+            lines += [f"# {why}", f"DeviceAllow={spec} rw"]
+    else:
+        lines.append("PrivateDevices=yes")
+    return lines
+
+
+def node_service(role: str, dspark_bin: str) -> str:
+    """dspark-head.service or dspark-worker.service."""
+    head = role == "head"
+    unit = [
+        f"Description=dspark {role} node ({'rank 0, serves the API' if head else 'rank >= 1, headless'}):"
+        " vLLM under the dspark supervisor",
+        "After=network-online.target" + (f" {READY_TARGET}" if head else ""),
+        "Wants=network-online.target",
+    ]
+    if head:
+        unit += [
+            "# The worker runs on another host: this target is reached once `dspark wait-worker`",
+            "# sees its agent in the rendezvous (bounded by worker_wait_timeout_s). After a",
+            "# restart the supervisor itself waits for the worker again before starting vLLM.",
+            f"Requires={READY_TARGET}",
+        ]
+    unit += [
+        f"StartLimitIntervalSec={START_LIMIT[0]}",
+        f"StartLimitBurst={START_LIMIT[1]}",
+    ]
+    state = f"%S/dspark/{role}"
+    service = [
+        "Type=notify",
+        "# The supervisor is the only sender (vLLM, its child, never sees NOTIFY_SOCKET).",
+        "NotifyAccess=main",
+        f"ExecStart={exec_quote(dspark_bin)} serve --state-dir {state}",
+        f"Environment=DSPARK_CONFIG={DEFAULT_CONFIG}",
+        "# DSPARK_NODE (this node's name; default: the host name) comes from the NixOS module",
+        "# or the drop-in `dspark systemd install --node NAME` writes.",
+        f"SyslogIdentifier=dspark-{role}",
+        "",
+        "# Timeouts: the supervisor sends EXTEND_TIMEOUT_USEC while the model loads, and",
+        "# WATCHDOG=1 only while the node is truly alive (the head: real completions).",
+        f"TimeoutStartSec={START_TIMEOUT}",
+        f"WatchdogSec={WATCHDOG_S}s",
+        f"TimeoutStopSec={STOP_TIMEOUT_S}s",
+        "",
+        "# Restarts: exit 3 (never ready), 4 (died or lost its pair), crashes and watchdog",
+        "# timeouts; never exit 2 (refused: bad cluster file or memory plan). The delay grows",
+        "# inside the supervisor (0, 5, 10 ... 300 s, shown as STATUS=): RestartSteps= needs",
+        "# systemd >= 254, DGX OS has 252.",
+        "Restart=on-failure",
+        f"RestartSec={RESTART_SEC}s",
+        "RestartPreventExitStatus=2",
+        "# SIGTERM to the supervisor alone: it stops vLLM's process group within stop_grace_s;",
+        "# whatever is left when it exits gets SIGKILL.",
+        "KillMode=mixed",
+        "# The supervisor reacts to a vLLM process killed by the OOM killer (exit 4, restart).",
+        "OOMPolicy=continue",
+        "",
+        f"User={USER}",
+        f"Group={USER}",
+        f"StateDirectory=dspark dspark/{role}",
+        "CacheDirectory=dspark",
+        "Environment=HOME=%S/dspark",
+        *[f"Environment={k}={v}" for k, v in CACHE_ENV],
+        "",
+        "# RDMA registers (pins) large buffers.",
+        "LimitMEMLOCK=infinity",
+        "# vLLM, NCCL and torch open many files and run many threads.",
+        "LimitNOFILE=65536",
+        "TasksMax=16384",
+        "",
+        *_common_hardening(devices=True),
+    ]
+    return _unit(_section("Unit", unit), _section("Service", service),
+                 _section("Install", ["WantedBy=multi-user.target"]),
+                 header=_header(f"dspark-{role}.service: this host's {role} node of a dspark cluster."))
+
+
+def ready_target() -> str:
+    unit = [
+        "Description=dspark: the worker node is in the rendezvous",
+        f"Requires={WAIT_WORKER}",
+        f"After={WAIT_WORKER}",
+        "# Re-checked on the next start of the head once nothing needs it.",
+        "StopWhenUnneeded=yes",
+    ]
+    return _unit(_section("Unit", unit), header=_header(f"{READY_TARGET}: reached by {WAIT_WORKER}."))
+
+
+def wait_worker_service(dspark_bin: str) -> str:
+    unit = [
+        "Description=dspark: wait until the worker node is in the rendezvous",
+        "After=network-online.target",
+        "Wants=network-online.target",
+        "StopWhenUnneeded=yes",
+    ]
+    service = [
+        "Type=oneshot",
+        "RemainAfterExit=yes",
+        f"ExecStart={exec_quote(dspark_bin)} wait-worker",
+        f"Environment=DSPARK_CONFIG={DEFAULT_CONFIG}",
+        "# STATUS= lines say whom it waits for.",
+        "NotifyAccess=main",
+        "# Bounded by the cluster file's worker_wait_timeout_s (one place for it): `dspark",
+        "# wait-worker` then exits 1 and says why, and the head's start fails on the dependency.",
+        "TimeoutStartSec=infinity",
+        "SyslogIdentifier=dspark-wait-worker",
+        f"User={USER}",
+        f"Group={USER}",
+        "",
+        *_common_hardening(devices=False),
+    ]
+    return _unit(_section("Unit", unit), _section("Service", service),
+                 header=_header(f"{WAIT_WORKER}: the oneshot behind {READY_TARGET}."))
+
+
+def dashboard_service(dspark_bin: str) -> str:
+    unit = [
+        "Description=dspark dashboard: live view of the pair",
+        "After=network-online.target",
+        "Wants=network-online.target",
+    ]
+    service = [
+        f"ExecStart={exec_quote(dspark_bin)} dashboard",
+        f"Environment=DSPARK_CONFIG={DEFAULT_CONFIG}",
+        "SyslogIdentifier=dspark-dashboard",
+        "Restart=on-failure",
+        "RestartSec=5s",
+        f"User={USER}",
+        f"Group={USER}",
+        "",
+        *_common_hardening(devices=False),
+    ]
+    return _unit(_section("Unit", unit), _section("Service", service),
+                 _section("Install", ["WantedBy=multi-user.target"]),
+                 header=_header(f"{DASHBOARD}: a read-only client of the agents and the head's API."))
+
+
+def render_units(dspark_bin: str) -> dict[str, str]:
+    """File name -> text of every unit, for a dspark executable at `dspark_bin`."""
+    return {
+        WORKER: node_service("worker", dspark_bin),
+        HEAD: node_service("head", dspark_bin),
+        READY_TARGET: ready_target(),
+        WAIT_WORKER: wait_worker_service(dspark_bin),
+        DASHBOARD: dashboard_service(dspark_bin),
+    }
+
+
+@dataclass(frozen=True)
+class NodeRole:
+    name: str
+    is_head: bool
+
+
+def node_dropins(nodes: list[NodeRole], config_path: str = DEFAULT_CONFIG) -> dict[str, str]:
+    """Relative path -> text of the drop-ins for the nodes this host runs.
+
+    Each node's unit gets its DSPARK_NODE and DSPARK_CONFIG; the head's helpers get the
+    cluster file; a host running a head and a worker orders the head after its own worker
+    (systemd ordering works within a host)."""
+    heads = [n for n in nodes if n.is_head]
+    workers = [n for n in nodes if not n.is_head]
+    if len(heads) > 1 or len(workers) > 1:
+        raise ValueError("a host runs at most one head and one worker (the units are per role)")
+    env = f"Environment=DSPARK_CONFIG={_env_value(config_path)}"
+    out: dict[str, str] = {}
+    for n in nodes:
+        unit = HEAD if n.is_head else WORKER
+        out[f"{unit}.d/{NODE_DROPIN}"] = (
+            f"# Written by `dspark systemd install`: this host runs node {n.name!r}.\n"
+            + _section("Service", [f"Environment=DSPARK_NODE={_env_value(n.name)}", env]))
+    if heads:
+        for unit in (WAIT_WORKER, DASHBOARD):
+            out[f"{unit}.d/{NODE_DROPIN}"] = ("# Written by `dspark systemd install`: the cluster file.\n"
+                                              + _section("Service", [env]))
+    if heads and workers:
+        order = [f"Wants={WORKER}", f"After={WORKER}"]
+        why = ("# Written by `dspark systemd install`: this host runs both roles, so systemd orders\n"
+               "# the head's side directly after the local worker (READY=1: in the rendezvous).\n")
+        out[f"{HEAD}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", order)
+        out[f"{WAIT_WORKER}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", [f"After={WORKER}"])
+    return out
+
+
+def _env_value(value: str) -> str:
+    if any(c in value for c in " \t\"'\\\n%$"):
+        raise ValueError(f"unsupported character in {value!r} for a unit file")
+    return value
+
+
+def sysusers() -> str:
+    """systemd-sysusers(8) entry for the units' user (the NixOS module declares it itself)."""
+    return ("# The dspark user (written by `dspark systemd install`). The NVIDIA device nodes may\n"
+            "# belong to the video group.\n"
+            f'u {USER} - "dspark: DeepSeek V4 Flash node" /var/lib/dspark\n'
+            f"m {USER} video\n")
+
+
+# ------------------------------------------------------------------------------ side effects
+def default_dspark_bin() -> str:
+    """The `dspark` executable of this installation (beside the running Python first)."""
+    beside = Path(sys.executable).parent / "dspark"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("dspark")
+    if found:
+        return str(Path(found).resolve())
+    raise FileNotFoundError("no dspark executable found; pass --dspark-bin")
+
+
+def write_files(files: dict[str, str], out: Path) -> list[Path]:
+    written = []
+    for rel, text in files.items():
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o644)
+        tmp.replace(path)
+        written.append(path)
+    return written
+
+
+def systemd_running(root: Path) -> bool:
+    return root == Path("/") and Path("/run/systemd/system").is_dir()
+
+
+def install(nodes: list[NodeRole], config_path: str, dspark_bin: str, root: Path = Path("/"),
+            run=subprocess.run) -> tuple[list[Path], list[list[str]]]:
+    """Write the units, the nodes' drop-ins and the sysusers entry under `root`; when `root`
+    is the running system, create the user and reload systemd. Returns (files, commands run)."""
+    files = {f"{SYSTEM_UNIT_DIR}/{k}": v for k, v in render_units(dspark_bin).items()}
+    files.update({f"{SYSTEM_UNIT_DIR}/{k}": v for k, v in node_dropins(nodes, config_path).items()})
+    files[SYSUSERS_FILE] = sysusers()
+    written = write_files(files, root)
+    commands: list[list[str]] = []
+    if systemd_running(root):
+        for cmd in (["systemd-sysusers", "/" + SYSUSERS_FILE], ["systemctl", "daemon-reload"]):
+            run(cmd, check=True)
+            commands.append(cmd)
+    return written, commands
+
+
+# ------------------------------------------------------------------------------ CLI
+def _roles(config_path: str, names: tuple[str, ...]) -> list[NodeRole]:
+    from .cli import load_cluster, pick_node
+
+    cluster = load_cluster(Path(config_path))
+    return [NodeRole(n.name, n.is_head) for n in (pick_node(cluster, name) for name in names)]
+
+
+def _fail(message: str, code: int = 1):
+    click.secho(message, fg="red", err=True)
+    raise click.exceptions.Exit(code)
+
+
+def _bin(dspark_bin: str | None) -> str:
+    try:
+        return dspark_bin or default_dspark_bin()
+    except FileNotFoundError as e:
+        _fail(str(e))
+
+
+@click.group("systemd")
+def cli() -> None:
+    """Render and install the systemd units (dspark-head, dspark-worker and their helpers)."""
+
+
+CONFIG_OPT = click.option("--config", "-c", "config_path", default=DEFAULT_CONFIG, show_default=True,
+                          envvar="DSPARK_CONFIG", help="Cluster file the units read (DSPARK_CONFIG).")
+BIN_OPT = click.option("--dspark-bin", help="Path of the dspark executable in ExecStart= (default: this one).")
+
+
+@cli.command("render")
+@click.option("--node", "-n", "nodes", multiple=True,
+              help="Also render this node's drop-ins (reads the cluster file; repeat for a host running both roles).")
+@CONFIG_OPT
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Write the files into this directory instead of printing them.")
+@BIN_OPT
+def render_cmd(nodes: tuple[str, ...], config_path: str, out: Path | None, dspark_bin: str | None) -> None:
+    """Print (or write with --out) the unit files."""
+    files = render_units(_bin(dspark_bin))
+    if nodes:
+        try:
+            files.update(node_dropins(_roles(config_path, nodes), os.path.abspath(config_path)))
+        except ValueError as e:
+            _fail(str(e), 2)
+    if out is not None:
+        for path in write_files(files, out):
+            click.echo(str(path))
+        return
+    for name, text in files.items():
+        click.echo(f"### {name}\n{text}")
+
+
+@cli.command("install")
+@click.option("--node", "-n", "nodes", multiple=True, required=True,
+              help="The node this host runs (repeat for a host running both roles).")
+@CONFIG_OPT
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("/"), show_default=True,
+              help="Install under this root (then nothing is reloaded).")
+@BIN_OPT
+def install_cmd(nodes: tuple[str, ...], config_path: str, root: Path, dspark_bin: str | None) -> None:
+    """Write the units to /etc/systemd/system with this host's drop-ins, create the dspark
+    user (systemd-sysusers) and reload systemd. Then: systemctl start dspark-worker (rank 1)
+    or dspark-head (rank 0); `systemctl enable` them to start at boot."""
+    roles = _roles(config_path, nodes)
+    try:
+        written, commands = install(roles, os.path.abspath(config_path), _bin(dspark_bin), root)
+    except ValueError as e:
+        _fail(str(e), 2)
+    except (OSError, subprocess.CalledProcessError) as e:
+        _fail(f"install: {e}")
+    for path in written:
+        click.echo(f"wrote {path}")
+    for cmd in commands:
+        click.echo("ran " + " ".join(cmd))
+    if not systemd_running(root):
+        click.echo("systemd is not running here (or --root was given): nothing reloaded")
+    units = " ".join(sorted({HEAD if r.is_head else WORKER for r in roles}, reverse=True))
+    click.echo(f"next: systemctl start {units}   (enable them to start at boot)")
