@@ -242,6 +242,8 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
         pair.spawn(head.name)
         wait_state(pair, head, (A.SERVING,), cluster.supervisor.ready_timeout_s, progress,
                    lambda: stop["sig"] is not None)
+        # The worker follows its head into serving within a poll (about a second).
+        wait_state(pair, worker, (A.SERVING,), 30, progress, lambda: stop["sig"] is not None)
         elapsed = time.monotonic() - t0
         progress("")
         progress(f"serving after {elapsed:.0f} s: {head.api_url}/v1  (model {SERVED_NAME!r}, token-id prompts)")

@@ -1,0 +1,150 @@
+"""Against the real local pair (vLLM CPU build, TP=2 over two processes on 127.0.0.1/2)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import dspark_cmd, get_json, pick_ports, run_dspark
+from dspark import config as C
+from dspark import local as L
+from dspark import vllm_facts as F
+
+pytestmark = pytest.mark.pair
+
+
+def completion(api_url: str, prompt: list[int], max_tokens: int = 4) -> dict:
+    body = json.dumps({"model": L.SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(api_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def counter(metrics_text: str, family: str) -> float:
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name == family:
+            return sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    raise KeyError(family)
+
+
+def test_pair_serves_real_requests(local_pair):
+    out = completion(local_pair.api_url, [1, 2, 3, 4], max_tokens=5)
+    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
+                            "prompt_tokens_details": None} or out["usage"]["completion_tokens"] == 5
+
+
+def test_worker_reached_the_rendezvous_before_the_head_started(local_pair):
+    log = local_pair.log()
+    assert log.index("local-worker  rendezvous") < log.index("starting the head")
+    head, worker = local_pair.state("local-head"), local_pair.state("local-worker")
+    assert worker["started_at"] < head["started_at"]
+
+
+def test_status_while_serving(local_pair):
+    r = run_dspark("status", "--config", str(local_pair.cluster_file))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pair: SERVING" in r.stdout and "local-worker" in r.stdout
+    r = run_dspark("status", "--config", str(local_pair.cluster_file), "--json")
+    snap = json.loads(r.stdout)
+    assert snap["serving"] and snap["api"]["health"] == 200 and snap["api"]["version"] == F.VLLM_RELEASE
+    assert [(n["name"], n["state"]) for n in snap["nodes"]] == [("local-head", "serving"), ("local-worker", "serving")]
+    head = snap["nodes"][0]
+    assert head["liveness"]["ok"] and head["vllm_version"] == F.VLLM_RELEASE and head["vllm_pid"] > 0
+
+
+def test_agents_are_read_only_and_export_metrics(local_pair):
+    url = local_pair.agent_url("local-worker")
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    state = {s.labels["state"]: s.value for s in fams["dspark_node_state"].samples}
+    assert state["serving"] == 1 and sum(state.values()) == 1
+    req = urllib.request.Request(url + "/state", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 405
+    e.value.close()
+
+
+def test_wait_worker_returns_at_once_when_the_worker_is_in_the_pair(local_pair):
+    r = run_dspark("wait-worker", "--config", str(local_pair.cluster_file), "--timeout", "10")
+    assert r.returncode == 0 and "local-worker serving" in r.stdout
+
+
+def test_ports_in_use_are_refused_before_anything_starts(local_pair, tmp_path):
+    r = run_dspark("local", "up", "--dir", str(tmp_path), "--api-port", str(local_pair.ports.api),
+                   "--agent-port", str(local_pair.ports.agent), "--master-port", str(local_pair.ports.master))
+    assert r.returncode == 1 and "is not free" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_config_refused_before_anything_starts(tmp_path):
+    ports = pick_ports()
+    path = L.prepare(tmp_path, ports)
+    path.write_text(path.read_text().replace("rank = 1", "rank = 0"))
+    r = run_dspark("serve", "--config", str(path), "--node", "local-worker")
+    assert r.returncode == 2 and "rank 0 is given to more than one node" in r.stderr
+    with socket.socket() as s:  # nothing bound the agent port
+        s.bind(("127.0.0.2", ports.agent))
+
+
+def test_ready_only_after_a_real_completion_and_clean_stop(tmp_path):
+    """The two supervisors by hand, with real notify sockets, as systemd would run them."""
+    ports = pick_ports()
+    cluster_file = L.prepare(tmp_path, ports)
+    cluster = C.load(cluster_file)
+    socks, procs = {}, {}
+    try:
+        for node in ("local-worker", "local-head"):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            s.bind(str(tmp_path / f"{node}.sock"))
+            s.settimeout(1)
+            socks[node] = s
+            env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / f"{node}.sock")}
+            with open(tmp_path / f"{node}.log", "w") as log:
+                procs[node] = subprocess.Popen(dspark_cmd("serve", "--config", str(cluster_file), "--node", node),
+                                               env=env, stdout=log, stderr=subprocess.STDOUT)
+
+        def wait_ready(node: str, timeout: float = 600) -> list[str]:
+            msgs, deadline = [], time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                assert procs[node].poll() is None, (tmp_path / f"{node}.log").read_text()[-3000:]
+                try:
+                    msgs.append(socks[node].recv(4096).decode())
+                except socket.timeout:
+                    continue
+                if msgs[-1].startswith("READY=1"):
+                    return msgs
+            raise AssertionError(f"{node} not ready: {msgs}")
+
+        wait_ready("local-worker")
+        msgs = wait_ready("local-head")
+        # READY=1 came after a real completion: vLLM's own counters already show it.
+        with urllib.request.urlopen(cluster.head.api_url + F.METRICS, timeout=10) as r:
+            metrics = r.read().decode()
+        assert counter(metrics, F.REQUEST_SUCCESS) >= 1 and counter(metrics, F.GENERATION_TOKENS) >= 1
+        assert any(m.startswith("STATUS=rendezvous") for m in msgs)
+        pids = [get_json(n.agent_url + "/state")["vllm_pid"] for n in cluster.nodes]
+
+        for node in ("local-head", "local-worker"):
+            procs[node].send_signal(signal.SIGTERM)
+        for node in ("local-head", "local-worker"):
+            assert procs[node].wait(timeout=60) == 0
+        for pid in pids:  # no vLLM process left behind
+            assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+        leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "model")], capture_output=True, text=True).stdout
+        assert leftover == ""
+        r = run_dspark("status", "--config", str(cluster_file))
+        assert r.returncode == 1 and "pair: NOT SERVING" in r.stdout and "unreachable" in r.stdout
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s in socks.values():
+            s.close()
