@@ -30,3 +30,6 @@ def agents():
             a.stop()
         except OSError:
             pass
+
+
+from .browser import browser  # noqa: E402,F401 (the fixture, for the browser tests)

@@ -196,19 +196,61 @@ def test_collector_unreachable_metrics_and_agents():
     assert snap["nodes"][0]["state"] == "unreachable" and snap["nodes"][0]["reachable"] is False
 
 
-def test_lost_agent_reads_failed(metrics_stand_in, agents):
+def test_agent_gone_reads_failed_at_once(metrics_stand_in, agents):
+    """A refused connection: the node's supervisor (and its agent) exited."""
     states, running = agents
     metrics_stand_in.text = scrape_text("b")
     col = C.Collector(targets(metrics_stand_in.url, running), timeout_s=1.0)
     col.tick()
     running["node-b"].stop()
     snap = col.tick()
-    assert snap["nodes"][1]["state"] == "serving" and not snap["nodes"][1]["reachable"]  # one miss: not yet
-    time.sleep(C.LOST_AFTER_S)
-    snap = col.tick()
-    assert snap["nodes"][1]["state"] == "failed" and "unreachable" in snap["nodes"][1]["detail"]
-    assert snap["serving"] is False
+    assert snap["nodes"][1]["state"] == "failed" and "connection refused" in snap["nodes"][1]["detail"]
+    assert snap["nodes"][1]["reachable"] is False and snap["serving"] is False
     validate_snapshot(snap)
+
+
+def test_silent_agent_reads_failed_after_grace(metrics_stand_in):
+    """An agent that stops answering (host or network gone: timeouts) gets one missed round."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    hang = threading.Event()
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            if hang.is_set():
+                release.wait(10)
+                return
+            body = json.dumps(A.NodeState(node="n", rank=0, role="head", state=A.SERVING).snapshot()).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        metrics_stand_in.text = scrape_text("b")
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        col = C.Collector(C.Targets(metrics_stand_in.url, (C.NodeTarget("n", 0, "head", url),)), timeout_s=0.5)
+        assert col.tick()["nodes"][0]["state"] == "serving"
+        hang.set()
+        snap = col.tick()
+        assert snap["nodes"][0]["state"] == "serving" and snap["nodes"][0]["reachable"] is False  # one miss
+        time.sleep(C.LOST_AFTER_S)
+        snap = col.tick()
+        assert snap["nodes"][0]["state"] == "failed" and "unreachable for" in snap["nodes"][0]["detail"]
+        validate_snapshot(snap)
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_agent_reported_failure_and_orderly_stop(metrics_stand_in, agents):

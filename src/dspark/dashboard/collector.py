@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,9 +26,10 @@ from . import hardware, rates
 from .metrics import MetricsError, Scrape, parse
 
 SCHEMA_VERSION = 1
-# An agent that answered before and has been silent this long is reported failed: its
-# supervisor (the unit's main process) exited or its host is gone. A node that failed while
-# serving exits right away, so its own "failed" answer is rarely there to be seen.
+# A node whose service fails exits right away (agent included), so its own "failed" answer is
+# rarely there to be seen. An agent that answered before is therefore reported failed when its
+# port refuses connections (its supervisor, the unit's main process, is gone), or when it has
+# not answered for LOST_AFTER_S (host or network gone: timeouts, so allow a missed round).
 LOST_AFTER_S = 2.0
 VERSION_REFRESH_S = 30.0
 
@@ -58,6 +61,12 @@ class Targets:
 class _NodeMemory:
     last_ok: float | None = None  # monotonic time of the last answer
     last: dict | None = None
+
+
+@dataclass(frozen=True)
+class AgentAnswer:
+    state: dict | None  # the agent's /state, or None
+    refused: bool = False  # nothing listens on the agent's port
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
@@ -168,20 +177,24 @@ class Collector:
         except MetricsError as e:
             return None, str(e)
 
-    def _fetch_agent(self, url: str) -> dict | None:
+    def _fetch_agent(self, url: str) -> AgentAnswer:
+        # urllib directly (not dspark.http): a refused connection must stay distinguishable
         try:
-            r = request(url.rstrip("/") + "/state", timeout=self.timeout_s)
-            if r.status == 200:
-                s = r.json()
-                if isinstance(s, dict) and isinstance(s.get("state"), str):
-                    return s
-        except (HTTPFailure, ValueError):
+            with urllib.request.urlopen(url.rstrip("/") + "/state", timeout=self.timeout_s) as r:
+                s = json.loads(r.read())
+            if isinstance(s, dict) and isinstance(s.get("state"), str):
+                return AgentAnswer(s)
+        except urllib.error.URLError as e:
+            return AgentAnswer(None, refused=isinstance(e.reason, ConnectionRefusedError))
+        except ConnectionRefusedError:
+            return AgentAnswer(None, refused=True)
+        except (OSError, ValueError):
             pass
-        return None
+        return AgentAnswer(None)
 
     def _vllm_version(self, agents: dict) -> str | None:
         for n in self.targets.nodes:  # the agents know it already: no extra request to vLLM
-            v = (agents.get(n.name) or {}).get("vllm_version")
+            v = (agents[n.name].state or {}).get("vllm_version") if n.name in agents else None
             if v:
                 self._version = v
                 return v
@@ -197,8 +210,9 @@ class Collector:
         return self._version
 
     # ------------------------------------------------------------------- rendering
-    def _node(self, t: NodeTarget, s: dict | None, now: float) -> dict:
+    def _node(self, t: NodeTarget, answer: AgentAnswer | None, now: float) -> dict:
         mem = self._nodes[t.name]
+        s = answer.state if answer else None
         if s is not None:
             mem.last_ok, mem.last = now, s
         last = mem.last or {}
@@ -209,6 +223,9 @@ class Collector:
             state, detail = "unreachable", f"agent {t.agent_url} has not answered"
         elif last.get("state") in (A.STOPPING, A.STOPPED):
             state, detail = A.STOPPED, f"agent gone after it reported {last.get('state')}"
+        elif answer is not None and answer.refused:
+            state = A.FAILED
+            detail = f"agent not running: connection refused (last reported {last.get('state')})"
         elif silent >= LOST_AFTER_S:
             state = A.FAILED
             detail = f"agent unreachable for {silent:.0f} s (last reported {last.get('state')})"

@@ -52,7 +52,11 @@ function renderFields(snap) {
     if (!path.startsWith("vllm.")) continue;
     const v = lookup(snap, path);
     if (path === "vllm.version") { setText(el, v || "unknown"); continue; }
-    if (!vllm.available) { setText(el, "unavailable", "unavailable"); continue; }
+    if (!vllm.available) {
+      if (path === "vllm.latency.window_s") setText(el, "—", "none");  // a label, not a figure
+      else setText(el, "unavailable", "unavailable");
+      continue;
+    }
     if (path.startsWith("vllm.spec_decode.") && vllm.spec_decode === null) { setText(el, "off", "none"); continue; }
     if (v === null || v === undefined) { setText(el, "—", "none"); continue; }
     setText(el, formatField(path, v));

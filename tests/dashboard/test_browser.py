@@ -1,0 +1,125 @@
+"""The page in Debian's headless Chromium against the real local pair under a bounded load."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from dspark.config import load
+from dspark.dashboard import collector as C
+from dspark.dashboard import server as S
+
+from .browser import read_page, wait_for
+from .helpers import DashboardProcess, Load
+
+pytestmark = [pytest.mark.pair, pytest.mark.browser]
+
+NUMBER = re.compile(r"^-?[\d,]+(\.\d+)?( ?(ms|s|%|°C|W|min|h))?$")
+VLLM_PANELS = ("throughput", "tokens", "requests", "latency")
+
+
+def is_number(text: str) -> bool:
+    return bool(NUMBER.match(text.strip()))
+
+
+def live(page: dict) -> bool:
+    """Every panel shows live numbers (spec decode: 'off', the local pair has none)."""
+    p = page["panels"]
+    if page["pair"] != "SERVING" or page["version"] != "0.28.0" or page["lines"] < 1:
+        return False
+    if not all(p.get(name) and all(is_number(t) for t in p[name]) for name in VLLM_PANELS):
+        return False
+    decode_now = float(p["throughput"][0].replace(",", ""))
+    if decode_now <= 0 or p.get("spec_decode") != ["off"] * 3:
+        return False
+    nodes = page["nodes"]
+    if sorted(nodes) != ["local-head", "local-worker"]:
+        return False
+    for n in nodes.values():
+        if n["state"] != "serving" or not all(is_number(n[k]) for k in ("restarts", "vllm_pid", "uptime")):
+            return False
+        # no GPU or NVMe on this machine: "n/a"; a number where there is one
+        if not all(n[k] == "n/a" or is_number(n[k]) for k in ("gpu_temp", "gpu_power", "gpu_util", "nvme_temp")):
+            return False
+    return True
+
+
+@pytest.fixture
+def dashboard_of(tmp_path):
+    procs = []
+
+    def start(pair) -> DashboardProcess:
+        d = DashboardProcess(pair.cluster_file, tmp_path / f"dashboard-{len(procs)}.log")
+        procs.append(d)
+        d.wait_ready()
+        return d
+
+    yield start
+    for d in procs:
+        d.stop()
+
+
+def test_every_panel_live_under_load(local_pair, dashboard_of, browser, artifacts_dir):
+    dash = dashboard_of(local_pair)
+    with Load(local_pair.api_url, concurrency=2, max_tokens=32, max_requests=300, max_s=120) as load:
+        browser.get(dash.url)
+        page = wait_for(browser, live, timeout=60)
+        time.sleep(2)  # a little history in the chart
+        browser.save_screenshot(str(artifacts_dir / "dashboard-live.png"))
+    assert load.ok > 0 and load.failed == 0
+    assert page["banner"] is None
+    assert float(page["panels"]["tokens"][1].replace(",", "")) > 0  # generated tokens
+
+
+def test_unavailable_metrics_shown_then_recovered(local_pair, browser, metrics_stand_in, artifacts_dir):
+    """Malformed, then unreachable /metrics: 'unavailable' on the page, never a crash; the
+    nodes stay live (their agents are the real pair's)."""
+    metrics_stand_in.relay_url = local_pair.api_url  # first the real pair's metrics, relayed
+    targets = dataclasses.replace(C.Targets.from_cluster(load(local_pair.cluster_file)),
+                                  api_url=metrics_stand_in.url)
+    col = C.Collector(targets).start()
+    srv = S.DashboardServer("127.0.0.1", 0, col).start()
+    try:
+        browser.get(srv.url)
+        wait_for(browser, lambda p: all(is_number(t) for t in p["panels"].get("tokens", [""])), timeout=20)
+
+        metrics_stand_in.relay_url, metrics_stand_in.text = None, "vllm:generation_tokens_total{ 12 oops\n"
+        page = wait_for(browser, lambda p: p["banner"] is not None and "malformed" in p["banner"], timeout=10)
+        for name in VLLM_PANELS + ("spec_decode",):
+            assert set(page["panels"][name]) == {"unavailable"}, (name, page["panels"][name])
+        assert page["pair"] == "NOT SERVING"
+        assert {n["state"] for n in page["nodes"].values()} == {"serving"}
+        browser.save_screenshot(str(artifacts_dir / "dashboard-metrics-malformed.png"))
+
+        metrics_stand_in.relay_url = local_pair.api_url
+        wait_for(browser, lambda p: p["banner"] is None and all(is_number(t) for t in p["panels"]["tokens"]),
+                 timeout=10)
+
+        metrics_stand_in.close()  # nothing listens any more
+        page = wait_for(browser, lambda p: p["banner"] is not None and "unreachable" in p["banner"], timeout=10)
+        assert set(page["panels"]["throughput"]) == {"unavailable"}
+        assert col._thread.is_alive()
+    finally:
+        srv.stop()
+        col.stop()
+
+
+def test_killed_worker_shows_failed_within_5_s(fresh_pair, dashboard_of, browser, artifacts_dir):
+    dash = dashboard_of(fresh_pair)
+    browser.get(dash.url)
+    wait_for(browser, lambda p: p["nodes"].get("local-worker", {}).get("state") == "serving", timeout=20)
+    pid = fresh_pair.state("local-worker")["vllm_pid"]
+    assert pid
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    page = wait_for(browser, lambda p: p["nodes"]["local-worker"]["state"] == "failed", timeout=15, poll=0.1)
+    elapsed = time.monotonic() - t0
+    browser.save_screenshot(str(artifacts_dir / "dashboard-worker-failed.png"))
+    assert elapsed <= 5.0, f"the page showed the worker failed after {elapsed:.1f} s"
+    assert page["pair"] == "NOT SERVING"
+    print(f"worker shown failed {elapsed:.2f} s after SIGKILL; detail: {page['nodes']['local-worker']['detail']}")
