@@ -55,7 +55,6 @@ class LazyGroup(click.Group):
         "systemd": ("dspark.units", "cli", "Render and install the systemd units."),
         "bench": ("dspark.bench.cli", "bench", "Benchmarks: prefill, decode, compare."),
         "dashboard": ("dspark.dashboard.cli", "dashboard", "Live dashboard of the pair (web page)."),
-        "overlay": ("dspark.overlay", "cli", "Apply or check the Spark patch series on a vLLM tree."),
     }
 
     def list_commands(self, ctx):
@@ -256,6 +255,20 @@ def local_up_cmd(workdir: Path, api_port: int, agent_port: int, master_port: int
     except LocalError as e:
         fail(f"local up: {e}", 1)
     sys.exit(code)
+
+
+# ------------------------------------------------------------------------------ overlay
+@main.command("overlay", add_help_option=False,
+              context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def overlay_cmd(args: tuple[str, ...]) -> None:
+    """Apply or check the Spark patch series on an installed vLLM tree.
+
+    dspark overlay {apply,check} SITE_PACKAGES [--dry-run] [--overlay-dir DIR]
+    """
+    from .overlay import main as overlay_main  # stdlib-only: the Nix build runs it without click
+
+    sys.exit(overlay_main(list(args)))
 
 
 if __name__ == "__main__":  # pragma: no cover

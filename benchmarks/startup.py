@@ -1,0 +1,211 @@
+"""Control-plane targets, measured side by side in one run (issue 2):
+
+1. the supervised pair (`dspark serve` on both nodes) is ready within 1.05x the time the same
+   two vLLM commands take when started by hand (worker first, head once the worker is in
+   the rendezvous; ready = the first successful 1-token completion);
+2. readiness is reported (READY=1 on a real notify socket) within 1 s of vLLM first
+   answering /health;
+3. `dspark --help` returns in under 0.3 s.
+
+Runs alternate (hand, supervised, hand, supervised, ...) so that load from anything else on
+the machine falls on both alike. Usage:
+
+    .venv/bin/python benchmarks/startup.py [--rounds 2] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from conftest import pick_ports  # noqa: E402  (free loopback ports, shared with the tests)
+
+from dspark import config as C  # noqa: E402
+from dspark import local as L  # noqa: E402
+from dspark.notify import child_env  # noqa: E402
+from dspark.render import render  # noqa: E402
+
+TIMEOUT_S = 900
+
+
+def http_ok(url: str, data: dict | None = None, timeout: float = 2.0) -> bool:
+    body = None if data is None else json.dumps(data).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def completion_ok(api: str) -> bool:
+    return http_ok(api + "/v1/completions", {"model": L.SERVED_NAME, "prompt": [0], "max_tokens": 1}, 10)
+
+
+class HealthWatch(threading.Thread):
+    """Records when /health first answers 200 (polled every 20 ms)."""
+
+    def __init__(self, api: str):
+        super().__init__(daemon=True)
+        self.api, self.first_ok, self.stop = api, None, False
+
+    def run(self):
+        deadline = time.monotonic() + TIMEOUT_S
+        while not self.stop and self.first_ok is None and time.monotonic() < deadline:
+            if http_ok(self.api + "/health", timeout=0.5):
+                self.first_ok = time.monotonic()
+            time.sleep(0.02)
+
+
+def kill_group(p: subprocess.Popen, grace: float = 20) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def by_hand(workdir: Path) -> float:
+    """The two rendered vLLM commands, started as a person would: worker, then head."""
+    cluster = C.load(L.prepare(workdir, pick_ports()))
+    procs = []
+    try:
+        t0 = time.monotonic()
+        for node in (cluster.workers[0], cluster.head):
+            launch = render(cluster, node)
+            log = open(workdir / f"hand-{node.name}.log", "w")
+            procs.append(subprocess.Popen(launch.argv, env={**child_env(dict(os.environ)), **launch.env},
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+            if not node.is_head:  # wait for the worker's rendezvous line, as the runbook says
+                deadline = time.monotonic() + TIMEOUT_S
+                while "headless multiproc executor" not in (workdir / f"hand-{node.name}.log").read_text():
+                    if time.monotonic() > deadline or procs[-1].poll() is not None:
+                        raise RuntimeError("worker did not reach the rendezvous")
+                    time.sleep(0.05)
+        deadline = time.monotonic() + TIMEOUT_S
+        api = cluster.head.api_url
+        while not (http_ok(api + "/health", timeout=0.5) and completion_ok(api)):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError("hand-started pair never served")
+            time.sleep(0.05)
+        return time.monotonic() - t0
+    finally:
+        for p in reversed(procs):
+            kill_group(p)
+
+
+def supervised(workdir: Path) -> tuple[float, float]:
+    """`dspark serve` on both nodes, started together; returns (ready time, READY lag after /health)."""
+    cluster_file = L.prepare(workdir, pick_ports())
+    cluster = C.load(cluster_file)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(workdir / "head.sock"))
+    sock.settimeout(0.5)
+    procs = []
+    watch = HealthWatch(cluster.head.api_url)
+    try:
+        t0 = time.monotonic()
+        for node in (cluster.workers[0], cluster.head):
+            env = dict(os.environ)
+            if node.is_head:
+                env["NOTIFY_SOCKET"] = str(workdir / "head.sock")
+            log = open(workdir / f"sup-{node.name}.log", "w")
+            procs.append(subprocess.Popen([sys.executable, "-m", "dspark", "serve", "--config", str(cluster_file),
+                                           "--node", node.name], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+            log.close()
+        watch.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a supervisor exited")
+            try:
+                msg = sock.recv(4096).decode()
+            except socket.timeout:
+                continue
+            if msg.startswith("READY=1"):
+                t_ready = time.monotonic()
+                watch.join(timeout=5)
+                lag = t_ready - watch.first_ok if watch.first_ok else float("nan")
+                return t_ready - t0, lag
+        raise RuntimeError("supervised pair never ready")
+    finally:
+        watch.stop = True
+        for p in reversed(procs):
+            kill_group(p, grace=40)
+        sock.close()
+
+
+def help_time(n: int = 10) -> list[float]:
+    exe = shutil.which("dspark") or str(Path(sys.executable).parent / "dspark")
+    times = []
+    for _ in range(n):
+        t0 = time.monotonic()
+        subprocess.run([exe, "--help"], check=True, capture_output=True)
+        times.append(time.monotonic() - t0)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2, help="pairs of runs (hand, supervised)")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args()
+
+    hand, sup, lag = [], [], []
+    with tempfile.TemporaryDirectory(prefix="dspark-startup-") as tmp:
+        for i in range(args.rounds):
+            d = Path(tmp) / f"round{i}"
+            (d / "hand").mkdir(parents=True)
+            (d / "sup").mkdir()
+            hand.append(by_hand(d / "hand"))
+            print(f"round {i + 1}: by hand      ready after {hand[-1]:6.1f} s", flush=True)
+            t, l = supervised(d / "sup")
+            sup.append(t)
+            lag.append(l)
+            print(f"round {i + 1}: supervised   ready after {t:6.1f} s  (READY {l:.2f} s after /health first 200)",
+                  flush=True)
+    helps = help_time()
+    ratio = statistics.median(sup) / statistics.median(hand)
+    figures = {
+        "hand_ready_s": hand, "supervised_ready_s": sup, "ready_ratio_median": ratio,
+        "ready_after_health_s": lag, "help_s": helps, "help_median_s": statistics.median(helps),
+    }
+    print()
+    print(f"supervised / by hand (median ready time): {ratio:.3f}   target <= 1.05   "
+          f"{'OK' if ratio <= 1.05 else 'MISSED'}")
+    print(f"READY=1 after /health first answered:     max {max(lag):.2f} s   target <= 1 s   "
+          f"{'OK' if max(lag) <= 1 else 'MISSED'}")
+    print(f"dspark --help:                            median {statistics.median(helps) * 1000:.0f} ms   "
+          f"target < 300 ms   {'OK' if statistics.median(helps) < 0.3 else 'MISSED'}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
