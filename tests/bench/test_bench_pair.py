@@ -240,3 +240,15 @@ def test_decode_stream_cut_mid_level_keeps_finished_levels(local_pair):
     assert "unreachable" in report.error or "ended early" in report.error
     assert [s.concurrency for s in report.summary] == [1]
     assert report.trials and report.trials[0].output_tokens == 200
+
+
+def test_config_names_the_server_and_its_settings(local_pair, tmp_path):
+    r = run_dspark("bench", "prefill", "--config", str(local_pair.cluster_file), "--lengths", "64", "--trials", "1",
+                   "--seed", "13", "-o", str(tmp_path), "--label", "cfg", "--quiet", timeout=120)
+    assert r.returncode == 0, r.stderr
+    rep = Report.load(tmp_path / "prefill-cfg.json")
+    assert rep.server["url"] == local_pair.api_url and rep.server["model"] == MODEL
+    serving = rep.server["settings"]["serving"]
+    assert serving["max_model_len"] == 4096 and serving["tensor_parallel_size"] == 2
+    assert "env" not in serving  # may hold secrets
+    assert rep.server["settings"]["cluster_file"].endswith("cluster.toml")
