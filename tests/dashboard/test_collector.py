@@ -171,6 +171,8 @@ def test_collector_unavailable_then_recovers(metrics_stand_in, agents):
     states, running = agents
     col = C.Collector(targets(metrics_stand_in.url, running))
     metrics_stand_in.text = "this is not prometheus text {{{"
+    assert "no vLLM metrics" in col.tick()["vllm"]["error"]
+    metrics_stand_in.text = scrape_text("b").replace("vllm:num_requests_running{", "vllm:num_requests_running{{")
     snap = col.tick()
     validate_snapshot(snap)
     assert snap["vllm"]["available"] is False and "malformed" in snap["vllm"]["error"]
