@@ -180,6 +180,7 @@ class Supervisor:
         self.exit_signal: int | None = None
         self.ready = False
         self.paired = False           # all peers seen in the same pair
+        self.committed = False        # head: vLLM started for the workers seen in the rendezvous
         self._stage = "starting"
         self._lock = threading.Lock()
         self._liveness_thread: threading.Thread | None = None
@@ -314,6 +315,9 @@ class Supervisor:
 
     def check_peers(self, now: float) -> str | None:
         """Poll the peers' agents; return why the pair is broken, or None."""
+        # A head that started vLLM for the workers in the rendezvous is bound to those
+        # incarnations: one that restarts or vanishes would leave its vLLM waiting forever.
+        bound = self.paired or self.committed
         for p in self.peers:
             try:
                 s = get_json(p.node.agent_url + "/state", timeout=1.0)
@@ -321,15 +325,15 @@ class Supervisor:
                 s = None
             if s is not None:
                 p.last_seen, p.state = now, s.get("state")
-                if p.started_at is None and self.paired:
+                if p.started_at is None and bound:
                     p.started_at = s.get("started_at")
-                if self.paired and p.started_at is not None and s.get("started_at") != p.started_at:
+                if bound and p.started_at is not None and s.get("started_at") != p.started_at:
                     return f"{p.node.name} restarted; the pair must re-form"
-                if self.paired and p.state in (A.FAILED, A.STOPPING, A.STOPPED):
+                if bound and p.state in (A.FAILED, A.STOPPING, A.STOPPED):
                     return f"{p.node.name} is {p.state}"
-            elif self.paired and p.last_seen is not None and now - p.last_seen > self.sup.head_lost_s:
+            elif bound and p.last_seen is not None and now - p.last_seen > self.sup.head_lost_s:
                 return f"{p.node.name}'s agent unreachable for {now - p.last_seen:.0f} s"
-            elif self.paired and p.last_seen is None:
+            elif bound and p.last_seen is None:
                 p.last_seen = now  # start the clock at pair formation
         return None
 
@@ -384,6 +388,7 @@ class Supervisor:
             code = self._wait_for_workers(t_start)
             if code is not None:
                 return code
+            self.committed = True
         self.start_vllm()
         last_extend = last_health = last_live = last_peers = last_dog = 0.0
         while True:
@@ -450,9 +455,16 @@ class Supervisor:
                             self.say(f"liveness check failed ({self._liveness_failures}/"
                                      f"{self.sup.liveness_failures}): {err}")
                             if self._liveness_failures >= self.sup.liveness_failures:
-                                self.set_state(A.FAILED, f"liveness lost: {err}")
-                                self.stop_vllm("liveness lost")
-                                return EXIT_DIED
+                                if self.notify.watchdog_interval and (live is None or live.latency_s is None):
+                                    # No answer at all: a hung vLLM. Under systemd's watchdog that
+                                    # is its call (the pings stopped with the last good completion;
+                                    # it kills what no longer responds, result 'watchdog'). An error
+                                    # answer is ours to act on, below.
+                                    self.set_state(A.FAILED, f"liveness lost: {err}; the watchdog restarts the node")
+                                else:
+                                    self.set_state(A.FAILED, f"liveness lost: {err}")
+                                    self.stop_vllm("liveness lost")
+                                    return EXIT_DIED
                     if self._liveness_thread is None and now - last_live >= self.sup.liveness_interval_s:
                         last_live = now
                         self._liveness_thread = threading.Thread(target=self._liveness_worker, daemon=True)

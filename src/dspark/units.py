@@ -51,10 +51,12 @@ NODE_DROPIN = "50-dspark-node.conf"
 LOCAL_PAIR_DROPIN = "60-dspark-local-pair.conf"
 
 # WATCHDOG=1 goes out every WatchdogSec/2, and on the head only while a real 1-token
-# completion succeeded within liveness_interval_s + liveness_timeout_s. With the defaults
-# (5 s, 10 s, 2 failures) a hung vLLM stops the pings 15 s after its last answer and the
-# watchdog fires at most 5 s later, before the supervisor's own liveness verdict (25 s).
-WATCHDOG_S = 5
+# completion succeeded within liveness_interval_s + liveness_timeout_s (15 s by default). Under
+# the watchdog it is the one enforcer of liveness: a hung vLLM stops the pings and systemd
+# restarts the unit at most WatchdogSec later (result 'watchdog'). 10 s leaves room for a
+# supervisor loop slowed by a loaded host (its agent polls may take a few seconds); 5 s
+# fired spuriously on a two-core machine running two pairs.
+WATCHDOG_S = 10
 # Covers the start until the supervisor's first EXTEND_TIMEOUT_USEC; from then on it extends
 # the start by 90 s every 30 s while the model loads (bounded by ready_timeout_s).
 START_TIMEOUT = "5min"
@@ -346,7 +348,7 @@ def sysusers() -> str:
     """systemd-sysusers(8) entry for the units' user (the NixOS module declares it itself)."""
     return ("# The dspark user (written by `dspark systemd install`). The NVIDIA device nodes may\n"
             "# belong to the video group.\n"
-            f'u {USER} - "dspark: DeepSeek V4 Flash node" /var/lib/dspark\n'
+            f'u {USER} - "dspark node (DeepSeek V4 Flash)" /var/lib/dspark\n'
             f"m {USER} video\n")
 
 
