@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from conftest import pick_ports  # noqa: E402  (free loopback ports, shared with the tests)
+from pairlib import pick_ports  # noqa: E402  (free loopback ports, shared with the tests)
 
 from dspark import config as C  # noqa: E402
 from dspark import local as L  # noqa: E402

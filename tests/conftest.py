@@ -1,111 +1,17 @@
 """Shared fixtures. The real local vLLM pair is started once per test run (`local_pair`);
-tests that break a pair on purpose take a `fresh_pair` of their own."""
+tests that break a pair on purpose take a `fresh_pair` of their own. Helpers live in
+pairlib.py (a module of its own name: test folders have conftest.py files of their own)."""
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import signal
 import subprocess
-import sys
-import time
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = ROOT / "test-artifacts"
-
-
-def dspark_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dspark", *args]
-
-
-def run_dspark(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(dspark_cmd(*args), capture_output=True, text=True, timeout=timeout, **kw)
-
-
-def get_json(url: str, timeout: float = 2.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def pick_ports() -> "LocalPorts":
-    from dspark.local import LocalError, LocalPorts, check_ports_free
-
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(50):
-        base = rng.randrange(21000, 29000, 10)
-        ports = LocalPorts(api=base, master=base + 1, agent=base + 2)
-        try:
-            check_ports_free(ports)
-            return ports
-        except LocalError:
-            continue
-    raise RuntimeError("no free ports found for a local pair")
-
-
-@dataclass
-class PairHandle:
-    """A running `dspark local up`: the very command the README gives."""
-
-    proc: subprocess.Popen
-    workdir: Path
-    ports: "LocalPorts"
-    output: Path
-
-    @property
-    def cluster_file(self) -> Path:
-        return self.workdir / "cluster.toml"
-
-    @property
-    def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.api}"
-
-    def agent_url(self, node: str) -> str:
-        addr = "127.0.0.1" if node == "local-head" else "127.0.0.2"
-        return f"http://{addr}:{self.ports.agent}"
-
-    def state(self, node: str) -> dict:
-        return get_json(self.agent_url(node) + "/state")
-
-    def log(self) -> str:
-        return self.output.read_text(errors="replace")
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
-
-
-def start_pair(workdir: Path, timeout: float = 600) -> PairHandle:
-    ports = pick_ports()
-    workdir.mkdir(parents=True, exist_ok=True)
-    output = workdir / "local-up.out"
-    out = open(output, "wb")
-    proc = subprocess.Popen(
-        dspark_cmd("local", "up", "--dir", str(workdir), "--api-port", str(ports.api),
-                   "--agent-port", str(ports.agent), "--master-port", str(ports.master)),
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-    out.close()
-    pair = PairHandle(proc, workdir, ports, output)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"dspark local up exited with {proc.returncode}:\n{pair.log()}")
-        if "Ctrl-C stops both nodes" in pair.log():
-            return pair
-        time.sleep(0.5)
-    pair.stop()
-    raise RuntimeError(f"local pair not serving after {timeout} s:\n{pair.log()}")
+from pairlib import ARTIFACTS, start_pair
 
 
 def _pair_fixture(workdir: Path):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_dspark
+from pairlib import run_dspark
 from dspark import config as C
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cluster-two-node.toml"

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import dspark_cmd, get_json, pick_ports, run_dspark
+from pairlib import dspark_cmd, get_json, pick_ports, run_dspark
 from dspark import config as C
 from dspark import local as L
 from dspark import vllm_facts as F

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import run_dspark
+from pairlib import run_dspark
 from plan_fixtures import write_dsv4_flash_checkpoint
 
 GIB = 1024**3

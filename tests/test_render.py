@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_dspark
+from pairlib import run_dspark
 from dspark import config as C
 from dspark.render import REDACTED, Launch, render
 

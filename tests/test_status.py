@@ -4,7 +4,7 @@ import json
 import time
 from pathlib import Path
 
-from conftest import run_dspark
+from pairlib import run_dspark
 from test_supervisor import write_cluster
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cluster-two-node.toml"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dspark_cmd, get_json
+from pairlib import dspark_cmd, get_json
 from dspark import config as C
 from dspark.supervisor import EXIT_CONFIG, EXIT_DIED, EXIT_NEVER_READY, EXIT_OK
 

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from conftest import run_dspark
+from pairlib import run_dspark
 from dspark.bench import prefill
 from dspark.bench.client import BenchError, Target
 
