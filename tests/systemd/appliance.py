@@ -1,0 +1,128 @@
+"""The local appliance (worker 127.0.0.2 + head 127.0.0.1, real vLLM CPU build) installed with
+the project's own units in a `Container`, as `dspark systemd install` sets it up on a host that
+runs both roles. Shared by tests/systemd and benchmarks/failover.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from nspawn_container import ROOT, Container
+
+from dspark.local import HEAD_NAME, SERVED_NAME, WORKER_NAME, LocalError, LocalPorts, check_ports_free
+
+CLUSTER_DIR = "/srv/dspark-local"  # inside the container (outside /tmp: PrivateTmp hides that)
+PYTHON = str(ROOT / ".venv" / "bin" / "python")
+DSPARK = str(ROOT / ".venv" / "bin" / "dspark")
+UNITS = ("dspark-head.service", "dspark-worker.service", "dspark-wait-worker.service",
+         "dspark-worker-ready.target")
+
+
+def free_ports() -> LocalPorts:
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(50):
+        base = rng.randrange(21000, 29000, 10)
+        ports = LocalPorts(api=base, master=base + 1, agent=base + 2)
+        try:
+            check_ports_free(ports)  # the container shares the host's network namespace
+            return ports
+        except LocalError:
+            continue
+    raise RuntimeError("no free ports for a local pair")
+
+
+@dataclass
+class Appliance:
+    box: Container
+    ports: LocalPorts
+    user_note: str = ""  # why the units run as root here, if they do
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.api}"
+
+    def agent_url(self, node: str) -> str:
+        return f"http://{'127.0.0.1' if node == HEAD_NAME else '127.0.0.2'}:{self.ports.agent}"
+
+    def state(self, node: str, timeout: float = 2.0) -> dict | None:
+        try:
+            with urllib.request.urlopen(self.agent_url(node) + "/state", timeout=timeout) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            return None
+
+    def complete(self, max_tokens: int = 1, timeout: float = 30.0) -> tuple[int | None, str]:
+        """(HTTP status or None for no answer, detail) of a real completion on the head's API."""
+        body = json.dumps({"model": SERVED_NAME, "prompt": [1, 2, 3], "max_tokens": max_tokens,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(self.api_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read().decode(errors="replace")[:200]
+        except urllib.error.HTTPError as e:
+            return e.code, str(e)
+        except (OSError, ValueError) as e:
+            return None, str(e)
+
+    def serving(self) -> bool:
+        h, w = self.state(HEAD_NAME), self.state(WORKER_NAME)
+        return bool(h and w and h["state"] == "serving" and w["state"] == "serving"
+                    and self.complete(timeout=10)[0] == 200)
+
+    def wait_serving(self, timeout: float) -> float:
+        """Seconds until both nodes serve and a completion succeeds; raises on timeout."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.serving():
+                return time.monotonic() - t0
+            time.sleep(0.5)
+        raise TimeoutError(f"pair not serving after {timeout:.0f} s:\n" + self.diagnose())
+
+    def diagnose(self) -> str:
+        return "\n".join(self.box.status(u) for u in UNITS)
+
+    def kill(self, signal: str, pid: int, group: bool = False) -> None:
+        target = f"-{pid}" if group else str(pid)
+        self.box.run("kill", f"-{signal}", "--", target, timeout=10, check=True)
+
+    def main_pid_restarts(self, unit: str) -> int:
+        return int(self.box.show(unit, "NRestarts")["NRestarts"])
+
+
+def install(box: Container, ports: LocalPorts | None = None) -> Appliance:
+    """Write the local cluster into the container and install the units for both roles."""
+    ports = ports or free_ports()
+    box.run(PYTHON, "-c", "import sys; from pathlib import Path; from dspark.local import prepare, LocalPorts; "
+            f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api={ports.api}, master={ports.master}, "
+            f"agent={ports.agent}))", timeout=60, check=True)
+    box.run(DSPARK, "systemd", "install", "--node", HEAD_NAME, "--node", WORKER_NAME,
+            "--config", f"{CLUSTER_DIR}/cluster.toml", timeout=60, check=True)
+    app = Appliance(box, ports)
+    # The units run as the dspark user. This checkout's interpreter may live where that user
+    # cannot reach it (a pyenv under /root); then, and only then, the test runs them as root.
+    probe = box.run("setpriv", "--reuid=dspark", "--regid=dspark", "--clear-groups", "--inh-caps=-all",
+                    "sh", "-c", 'exec "$0" -c pass', PYTHON, timeout=60)
+    if probe.returncode != 0:
+        real = os.path.realpath(PYTHON)
+        app.user_note = f"units run as root here: user dspark cannot execute {real}"
+        for unit in ("dspark-head", "dspark-worker", "dspark-wait-worker"):
+            d = box.path(f"/etc/systemd/system/{unit}.service.d")
+            (d / "90-test-user.conf").write_text(
+                f"# tests only: {app.user_note}\n[Service]\nUser=root\nGroup=root\n")
+        box.systemctl("daemon-reload", check=True)
+    return app
+
+
+if __name__ == "__main__":  # a manual look: python tests/systemd/appliance.py
+    with Container() as c:
+        a = install(c)
+        print(c.systemctl("start", "dspark-head", timeout=600).returncode, a.user_note, file=sys.stderr)
+        print(a.diagnose())

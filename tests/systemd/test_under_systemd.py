@@ -1,0 +1,156 @@
+"""The project's own units under a real systemd (in a systemd-nspawn container made for this
+module and always removed), running the real local vLLM pair.
+
+The tests run in file order against one container and one installed appliance: start,
+status, a worker kill, a hung head, the head started alone (cross-host ordering), stop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from appliance import CLUSTER_DIR, UNITS, Appliance, install
+from nspawn_container import Container, missing_requirements
+
+from dspark.local import HEAD_NAME, WORKER_NAME
+
+pytestmark = [pytest.mark.systemd,
+              pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]
+
+START_S = 600      # a pair start on a loaded 2-core machine (about 50 s when idle)
+DETECT_S = 15      # the issue's bound for detecting a worker death
+
+
+@pytest.fixture(scope="module")
+def app():
+    box = Container()
+    try:
+        box.start()
+        yield install(box)
+    finally:
+        box.stop()
+
+
+def usec() -> int:
+    """The container's realtime clock, in µs (it is the host's clock)."""
+    return time.time_ns() // 1000
+
+
+def first(lines: list[tuple[float, str]], text: str) -> float | None:
+    return next((t for t, line in lines if text in line), None)
+
+
+def test_installed_units_and_drop_ins_verify(app: Appliance):
+    units = [f"/etc/systemd/system/{u}" for u in (*UNITS, "dspark-dashboard.service")]
+    out = app.box.run("systemd-analyze", "verify", *units, timeout=60)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+    cat = app.box.systemctl("cat", "dspark-head.service", check=True).stdout
+    assert f"Environment=DSPARK_NODE={HEAD_NAME}" in cat
+    assert "After=dspark-worker.service" in cat  # the both-roles drop-in
+
+
+def test_start_head_pulls_in_the_worker_ready_target_and_waits_for_it(app: Appliance):
+    r = app.box.systemctl("start", "dspark-head", timeout=START_S)
+    assert r.returncode == 0, r.stderr + app.diagnose()
+    props = {u: app.box.show(u, "ActiveState", "ActiveEnterTimestampMonotonic", "ExecMainStartTimestampMonotonic")
+             for u in UNITS}
+    assert all(p["ActiveState"] == "active" for p in props.values()), props
+    # Ordered: worker ready (READY=1 in the rendezvous) -> wait-worker -> target -> head started.
+    worker_ready = int(props["dspark-worker.service"]["ActiveEnterTimestampMonotonic"])
+    target = int(props["dspark-worker-ready.target"]["ActiveEnterTimestampMonotonic"])
+    head_started = int(props["dspark-head.service"]["ExecMainStartTimestampMonotonic"])
+    assert worker_ready <= target <= head_started
+    # `systemctl start` returned only once the head was READY: it serves now.
+    status, detail = app.complete()
+    assert status == 200, detail
+    app.wait_serving(60)  # the worker follows its head into serving
+
+
+def test_systemctl_status_shows_the_status_lines(app: Appliance):
+    assert f'Status: "serving: API on {app.api_url}"' in app.box.status("dspark-head")
+    assert f'Status: "serving: pair serving with {HEAD_NAME}"' in app.box.status("dspark-worker")
+    assert f'Status: "ready: {WORKER_NAME} rendezvous"' in app.box.status("dspark-wait-worker")
+
+
+def test_worker_vllm_killed_is_detected_and_the_pair_recovers_worker_first(app: Appliance):
+    app.wait_serving(60)
+    restarts = {u: app.main_pid_restarts(u) for u in ("dspark-head.service", "dspark-worker.service")}
+    pid = app.state(WORKER_NAME)["vllm_pid"]  # in the container's PID namespace
+    since = usec()
+    t0 = time.monotonic()
+    app.kill("KILL", pid)
+    detected = None
+    while time.monotonic() - t0 < 60:
+        s = app.state(HEAD_NAME, timeout=1.0)
+        if s is None or s["state"] != "serving":
+            detected = time.monotonic() - t0
+            break
+        time.sleep(0.2)
+    assert detected is not None and detected < DETECT_S, f"head still serving {time.monotonic() - t0:.0f} s after"
+    back = app.wait_serving(START_S)
+    for unit, n in restarts.items():
+        assert app.main_pid_restarts(unit) > n, unit
+    worker_ready = first(app.box.journal("dspark-worker.service", since), "ready (in the rendezvous)")
+    head_vllm = first(app.box.journal("dspark-head.service", since), "starting vLLM")
+    assert worker_ready is not None and head_vllm is not None and worker_ready < head_vllm
+    print(f"worker kill: detected after {detected:.1f} s, serving again {back + detected:.0f} s after the kill")
+
+
+def test_hung_head_is_restarted_by_the_watchdog(app: Appliance):
+    app.wait_serving(60)
+    restarts = app.main_pid_restarts("dspark-head.service")
+    pid = app.state(HEAD_NAME)["vllm_pid"]
+    since = usec()
+    app.kill("STOP", pid, group=True)  # all of the head's vLLM processes hang
+    deadline = time.monotonic() + 90
+    journal: list[tuple[float, str]] = []
+    while time.monotonic() < deadline:
+        journal = app.box.journal("dspark-head.service", since)
+        if first(journal, "Watchdog timeout"):
+            break
+        time.sleep(1)
+    assert first(journal, "Watchdog timeout"), "\n".join(line for _, line in journal[-30:])
+    app.wait_serving(START_S)
+    journal = app.box.journal("dspark-head.service", since)
+    assert first(journal, "Failed with result 'watchdog'")
+    assert app.main_pid_restarts("dspark-head.service") > restarts
+    # The stopped processes are gone with the old incarnation.
+    assert app.box.run("kill", "-0", str(pid), timeout=10).returncode != 0
+    # Second failure in a row without a stable spell in between: the restart backs off and says so.
+    assert first(journal, "backoff: 2 failed runs in a row"), "\n".join(line for _, line in journal[-40:])
+
+
+def test_head_started_alone_waits_for_the_worker_ready_target(app: Appliance):
+    """The cross-host shape: no direct ordering, only the target reached by `wait-worker`."""
+    box = app.box
+    box.systemctl("stop", "dspark-head", "dspark-worker", timeout=200, check=True)
+    for unit in ("dspark-head.service", "dspark-wait-worker.service"):
+        box.path(f"/etc/systemd/system/{unit}.d/60-dspark-local-pair.conf").unlink()
+    box.systemctl("daemon-reload", check=True)
+    box.systemctl("start", "--no-block", "dspark-head", check=True)
+    deadline = time.monotonic() + 60
+    status = ""
+    while time.monotonic() < deadline:
+        status = box.status("dspark-wait-worker")
+        if f"waiting for {WORKER_NAME} to enter the rendezvous" in status:
+            break
+        time.sleep(0.5)
+    assert f"waiting for {WORKER_NAME} to enter the rendezvous" in status, status
+    assert box.show("dspark-head.service", "ActiveState")["ActiveState"] == "inactive"  # its start job waits
+    assert box.show("dspark-worker.service", "ActiveState")["ActiveState"] == "inactive"  # not pulled in
+    box.systemctl("start", "--no-block", "dspark-worker", check=True)
+    app.wait_serving(START_S)
+    assert box.show("dspark-worker-ready.target", "ActiveState")["ActiveState"] == "active"
+
+
+def test_systemctl_stop_leaves_no_process(app: Appliance):
+    r = app.box.systemctl("stop", "dspark-head", "dspark-worker", timeout=200)
+    assert r.returncode == 0, r.stderr
+    for unit in ("dspark-head.service", "dspark-worker.service"):
+        p = app.box.show(unit, "ActiveState", "MainPID")
+        assert p == {"ActiveState": "inactive", "MainPID": "0"}, (unit, p)
+    left = app.box.run("pgrep", "-af", CLUSTER_DIR, timeout=10).stdout.strip()
+    assert left == "", left
+    assert app.state(HEAD_NAME, timeout=1) is None and app.state(WORKER_NAME, timeout=1) is None

@@ -1,0 +1,187 @@
+"""The rendered unit texts: what they say, that `systemd-analyze verify` accepts them (and
+rejects broken ones), `dspark systemd render/install`, and the NixOS module's unit names."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark import units as U
+from dspark.config import SupervisorConfig
+from dspark.local import LocalPorts, prepare
+from dspark.supervisor import BACKOFF_MAX_S, backoff_delay
+
+ROOT = Path(__file__).resolve().parents[2]
+DSPARK_BIN = str(Path(sys.executable).parent / "dspark")
+
+needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                                   reason="systemd-analyze not found (apt-get install systemd; .ci/setup --system)")
+
+
+def dspark(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dspark", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def settings(text: str) -> dict[str, list[str]]:
+    """Key -> values (in order) of a unit text, all sections together; comments left out."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line and not line.startswith(("#", "[")) and "=" in line:
+            k, v = line.split("=", 1)
+            out.setdefault(k, []).append(v)
+    return out
+
+
+def verify(*paths: Path) -> tuple[bool, str]:
+    """systemd-analyze verify, strictly: any diagnostic counts (252 only warns on bad keys)."""
+    r = subprocess.run(["systemd-analyze", "verify", *map(str, paths)], capture_output=True, text=True, timeout=60)
+    output = (r.stdout + r.stderr).strip()
+    return r.returncode == 0 and not output, output
+
+
+@pytest.fixture
+def rendered(tmp_path) -> Path:
+    out = tmp_path / "units"
+    r = dspark("systemd", "render", "--out", str(out), "--dspark-bin", DSPARK_BIN)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_render_writes_every_unit(rendered):
+    assert sorted(p.name for p in rendered.iterdir()) == sorted(U.UNIT_NAMES)
+
+
+@pytest.mark.systemd
+@needs_analyze
+def test_every_rendered_unit_passes_verify(rendered):
+    ok, output = verify(*sorted(rendered.iterdir()))
+    assert ok, output
+
+
+@pytest.mark.systemd
+@needs_analyze
+@pytest.mark.parametrize("breakage", [
+    ("Type=notify", "Type=notifyy"),                        # a bad value
+    ("KillMode=mixed", "KilMode=mixed"),                     # a misspelled key
+    ("Requires=dspark-worker-ready.target", "Requires=dspark-worker-redy.target"),  # unknown unit
+    ("ExecStart=" + DSPARK_BIN, "ExecStart=/nonexistent/dspark"),                   # no such program
+])
+def test_bad_unit_text_fails_verify(rendered, breakage):
+    old, new = breakage
+    head = rendered / U.HEAD
+    text = head.read_text()
+    assert old in text
+    head.write_text(text.replace(old, new))
+    ok, output = verify(head)
+    assert not ok and output
+
+
+def test_node_units_say_what_the_issue_asks():
+    units = U.render_units(DSPARK_BIN)
+    for name in (U.HEAD, U.WORKER):
+        s = settings(units[name])
+        assert s["Type"] == ["notify"] and s["NotifyAccess"] == ["main"]
+        assert s["WatchdogSec"] == [f"{U.WATCHDOG_S}s"]
+        assert s["Restart"] == ["on-failure"] and s["RestartPreventExitStatus"] == ["2"]
+        assert s["KillMode"] == ["mixed"]
+        stop_s = int(s["TimeoutStopSec"][0].rstrip("s"))
+        assert stop_s > SupervisorConfig().stop_grace_s + 10  # vLLM's grace plus the group sweep
+        assert s["TimeoutStartSec"] == [U.START_TIMEOUT]
+        for key, value in (("ProtectSystem", "strict"), ("NoNewPrivileges", "yes"), ("PrivateTmp", "yes"),
+                           ("PrivateDevices", "no"), ("DevicePolicy", "closed"), ("LimitMEMLOCK", "infinity")):
+            assert s[key] == [value], key
+        assert any("nvidia-frontend" in d for d in s["DeviceAllow"])
+        assert s["CacheDirectory"] == ["dspark"]
+        env = dict(e.split("=", 1) for e in s["Environment"])
+        for var in ("TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "CUTE_DSL_CACHE_DIR", "VLLM_CACHE_ROOT",
+                    "TORCHINDUCTOR_CACHE_DIR"):
+            assert env[var].startswith("%C/dspark/"), var
+    head = settings(units[U.HEAD])
+    assert U.READY_TARGET in head["Requires"] and U.READY_TARGET in " ".join(head["After"])
+    target = settings(units[U.READY_TARGET])
+    assert target["Requires"] == [U.WAIT_WORKER] and target["After"] == [U.WAIT_WORKER]
+    wait = settings(units[U.WAIT_WORKER])
+    assert wait["Type"] == ["oneshot"] and wait["ExecStart"] == [f"{DSPARK_BIN} wait-worker"]
+    assert settings(units[U.DASHBOARD])["ExecStart"] == [f"{DSPARK_BIN} dashboard"]
+
+
+def test_every_relaxation_carries_a_comment():
+    text = U.render_units(DSPARK_BIN)[U.HEAD]
+    lines = text.splitlines()
+    for key in ("PrivateDevices=no", "LimitMEMLOCK=infinity", "ProtectHome=read-only", "LimitNOFILE="):
+        i = next(n for n, line in enumerate(lines) if line.startswith(key))
+        assert lines[i - 1].startswith("#"), key
+    for i, line in enumerate(lines):
+        if line.startswith("DeviceAllow="):
+            assert lines[i - 1].startswith("#"), line
+
+
+def test_exec_lines_escape_specifiers_and_quote_blanks():
+    assert U.exec_quote("/opt/d spark/bin/dspark") == '"/opt/d spark/bin/dspark"'
+    assert U.exec_quote("/opt/100%/dspark") == "/opt/100%%/dspark"
+    assert U.exec_quote("/opt/$HOME/dspark") == "/opt/$$HOME/dspark"
+
+
+def test_backoff_grows_and_is_bounded():
+    delays = [backoff_delay(n) for n in range(0, 12)]
+    assert delays[:6] == [0, 0, 5, 10, 20, 40]
+    assert delays == sorted(delays) and max(delays) == BACKOFF_MAX_S
+    # The start limit is only a net: with the backoff, its burst needs longer than its interval.
+    interval_s = int(U.START_LIMIT[0].rstrip("min")) * 60
+    assert sum(backoff_delay(n) for n in range(U.START_LIMIT[1])) > interval_s
+
+
+@pytest.fixture
+def cluster_file(tmp_path) -> Path:
+    return prepare(tmp_path / "local", LocalPorts(api=28000, master=28001, agent=28002))
+
+
+def test_install_under_a_root_writes_units_drop_ins_and_the_user(tmp_path, cluster_file):
+    root = tmp_path / "root"
+    r = dspark("systemd", "install", "--root", str(root), "--node", "local-head", "--node", "local-worker",
+               "--config", str(cluster_file), "--dspark-bin", DSPARK_BIN)
+    assert r.returncode == 0, r.stderr
+    assert "nothing reloaded" in r.stdout
+    unit_dir = root / U.SYSTEM_UNIT_DIR
+    assert all((unit_dir / name).is_file() for name in U.UNIT_NAMES)
+    head = (unit_dir / f"{U.HEAD}.d" / U.NODE_DROPIN).read_text()
+    assert "Environment=DSPARK_NODE=local-head" in head and f"Environment=DSPARK_CONFIG={cluster_file}" in head
+    assert "DSPARK_NODE=local-worker" in (unit_dir / f"{U.WORKER}.d" / U.NODE_DROPIN).read_text()
+    both = settings((unit_dir / f"{U.HEAD}.d" / U.LOCAL_PAIR_DROPIN).read_text())
+    assert both == {"Wants": [U.WORKER], "After": [U.WORKER]}
+    assert re.search(r"^u dspark ", (root / U.SYSUSERS_FILE).read_text(), re.M)
+
+
+def test_install_of_one_node_has_no_local_ordering(tmp_path, cluster_file):
+    root = tmp_path / "root"
+    r = dspark("systemd", "install", "--root", str(root), "--node", "local-head", "--config", str(cluster_file),
+               "--dspark-bin", DSPARK_BIN)
+    assert r.returncode == 0, r.stderr
+    assert not (root / U.SYSTEM_UNIT_DIR / f"{U.HEAD}.d" / U.LOCAL_PAIR_DROPIN).exists()
+    assert not (root / U.SYSTEM_UNIT_DIR / f"{U.WORKER}.d").exists()
+
+
+def test_install_refuses_an_unknown_node(tmp_path, cluster_file):
+    r = dspark("systemd", "install", "--root", str(tmp_path), "--node", "nope", "--config", str(cluster_file))
+    assert r.returncode == 2 and "nope" in r.stderr
+
+
+def test_render_prints_the_node_drop_ins(cluster_file):
+    r = dspark("systemd", "render", "--node", "local-worker", "--config", str(cluster_file), "--dspark-bin", DSPARK_BIN)
+    assert r.returncode == 0, r.stderr
+    assert f"### {U.WORKER}.d/{U.NODE_DROPIN}" in r.stdout and "DSPARK_NODE=local-worker" in r.stdout
+
+
+def test_the_nixos_module_names_only_rendered_units():
+    text = (ROOT / "modules" / "dspark.nix").read_text()
+    named = set(re.findall(r"systemd\.services\.(dspark-[a-z-]+)", text))
+    assert named == {"dspark-head", "dspark-worker", "dspark-wait-worker", "dspark-dashboard"}
+    assert {f"{n}.service" for n in named} <= set(U.UNIT_NAMES)
+    # The module renders nothing itself: the package's units come from `dspark systemd render`.
+    package = (ROOT / "nix" / "package.nix").read_text()
+    assert "systemd render --out" in package and "systemd.packages = [ cfg.package ]" in text
