@@ -10,8 +10,6 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-
 CONFIG_HELP = "Cluster file (default: $DSPARK_CONFIG, then /etc/dspark/cluster.toml)."
 NODE_HELP = "This node's name in the cluster file (default: $DSPARK_NODE, then the host name)."
 
@@ -60,6 +58,18 @@ class LazyGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self.lazy))
 
+    def format_commands(self, ctx, formatter):
+        """List the lazy commands from their stored help, without importing them."""
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in self.lazy:
+                rows.append((name, self.lazy[name][2]))
+            else:
+                cmd = super().get_command(ctx, name)
+                rows.append((name, cmd.get_short_help_str(formatter.width - 6 - len(name))))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
     def get_command(self, ctx, name):
         if name in self.lazy:
             import importlib
@@ -73,7 +83,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="dspark")
+@click.version_option(package_name="dspark", prog_name="dspark")
 def main() -> None:
     """dspark: DeepSeek V4 Flash on two DGX Spark / GX10 nodes, as a supervised appliance.
 
