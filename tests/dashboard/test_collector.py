@@ -304,3 +304,24 @@ def test_one_poller_for_many_clients(metrics_stand_in, agents):
         col.stop()
     assert 3 <= metrics_stand_in.hits <= 7  # about 2.6 s / 0.5 s, whatever the 8 readers did
     assert metrics_stand_in.hits == col.rounds
+
+
+def test_collector_spec_decode_when_present(metrics_stand_in, agents):
+    # The local pair runs without speculative decoding; these counters (names from
+    # dspark.vllm_facts, values made up) are appended to a real scrape.
+    def with_spec(drafts, drafted, accepted):
+        return scrape_text("b") + "".join(
+            f"# TYPE {name}_total counter\n{name}_total{{engine=\"0\"}} {value}\n"
+            for name, value in ((F.SPEC_DRAFTS, drafts), (F.SPEC_DRAFT_TOKENS, drafted),
+                                (F.SPEC_ACCEPTED_TOKENS, accepted)))
+
+    states, running = agents
+    col = C.Collector(targets(metrics_stand_in.url, running))
+    metrics_stand_in.text = with_spec(10, 50, 30)
+    col.tick()
+    metrics_stand_in.text = with_spec(16, 80, 45)
+    snap = col.tick()
+    validate_snapshot(snap)
+    spec = snap["vllm"]["spec_decode"]
+    assert spec["acceptance_rate"] == {"current": 0.5, "lifetime": round(45 / 80, 4)}
+    assert spec["mean_acceptance_length"] == round(1 + 45 / 16, 3)
