@@ -12,7 +12,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from .. import vllm_facts as F
-from ..http import HTTPFailure, get_json, request
+from ..http import HTTPFailure, request
 from . import metrics
 
 
@@ -41,11 +41,22 @@ class ServerInfo:
     settings: dict = field(default_factory=dict)
 
 
+API_KEY_HINT = "the server wants an API key: set DSPARK_API_KEY (or VLLM_API_KEY)"
+
+
 def _get(target: Target, path: str, timeout: float = 10.0):
     try:
-        return get_json(target.endpoint(path), timeout=timeout, token=target.token)
+        r = request(target.endpoint(path), timeout=timeout, token=target.token)
     except HTTPFailure as e:
         raise BenchError(f"server unreachable or failing: {e}") from None
+    if r.status == 401:
+        raise BenchError(f"{target.endpoint(path)}: HTTP 401: {API_KEY_HINT}")
+    if r.status != 200:
+        raise BenchError(f"server failing: {target.endpoint(path)}: HTTP {r.status}")
+    try:
+        return r.json()
+    except ValueError:
+        raise BenchError(f"{target.endpoint(path)}: answer is not JSON") from None
 
 
 def describe(target: Target) -> ServerInfo:
@@ -86,8 +97,10 @@ def scrape(target: Target, model: str | None = None) -> metrics.Snapshot:
         r = request(target.endpoint(F.METRICS), timeout=30.0, token=target.token)
     except HTTPFailure as e:
         raise BenchError(f"server unreachable or failing: {e}") from None
+    if r.status == 401:
+        raise BenchError(f"{target.endpoint(F.METRICS)}: HTTP 401: {API_KEY_HINT}")
     if r.status != 200:
-        raise BenchError(f"{target.endpoint(F.METRICS)}: HTTP {r.status}")
+        raise BenchError(f"server failing: {target.endpoint(F.METRICS)}: HTTP {r.status}")
     snap = metrics.parse(r.body.decode("utf-8", "replace"), model=model)
     return snap
 
@@ -152,7 +165,8 @@ def stream_completion(target: Target, model: str, prompt: list[int] | tuple[int,
         conn.request("POST", u.path, body=body, headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:
-            raise BenchError(f"{where}: HTTP {resp.status}: {_error_message(resp.read())}")
+            hint = f" ({API_KEY_HINT})" if resp.status == 401 else ""
+            raise BenchError(f"server failing: {where}: HTTP {resp.status}: {_error_message(resp.read())}{hint}")
         done = False
         while not done:
             line = resp.readline()
