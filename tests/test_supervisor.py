@@ -129,6 +129,7 @@ def test_head_ready_after_a_real_completion_then_clean_stop(tmp_path, serve):
     assert msgs[-1] == f"READY=1\nSTATUS=serving: API on {s.node.api_url}"
     st = s.state()
     assert st["state"] == "serving" and st["liveness"]["ok"] and st["vllm_version"] == "0.28.0-standin"
+    assert set(st["hardware"]) == {"gpus", "nvme_temperature_c"}  # read by the dashboard on the head
     s.read(until="WATCHDOG=1", timeout=10)  # pinged while liveness holds
     # vLLM's environment: the config's, without the notify protocol's variables
     child_env = json.loads(env_file.read_text())

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from . import agent as A
-from . import vllm_facts
+from . import hardware, vllm_facts
 from .config import Cluster, NodeConfig
 from .http import HTTPFailure, get_json, request
 from .notify import Notifier, child_env
@@ -187,6 +187,7 @@ class Supervisor:
         self._liveness_failures = 0
         self._last_live_ok: float | None = None
         self.agent: A.Agent | None = None
+        self._gpu = hardware.Gpu()
 
     # ------------------------------------------------------------------ small helpers
     def say(self, msg: str) -> None:
@@ -206,7 +207,10 @@ class Supervisor:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return self.state.snapshot()
+            snap = self.state.snapshot()
+        # This node's GPU (NVML, where present) and NVMe readings, for the dashboard on the head.
+        snap["hardware"] = hardware.read_local(self._gpu)
+        return snap
 
     def handle_signal(self, signum, frame) -> None:  # only records; the loop acts
         self.exit_signal = signum

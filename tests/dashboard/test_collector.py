@@ -10,7 +10,8 @@ import pytest
 from dspark import agent as A
 from dspark import vllm_facts as F
 from dspark.dashboard import collector as C
-from dspark.dashboard import hardware, rates
+from dspark import hardware
+from dspark.dashboard import rates
 from dspark.dashboard.metrics import Histogram, MetricsError, parse
 
 from .helpers import MetricsStandIn, scrape_text, validate_snapshot

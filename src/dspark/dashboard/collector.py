@@ -22,7 +22,8 @@ from .. import agent as A
 from .. import vllm_facts as F
 from ..config import Cluster
 from ..http import HTTPFailure, request
-from . import hardware, rates
+from .. import hardware
+from . import rates
 from .metrics import MetricsError, Scrape, parse
 
 SCHEMA_VERSION = 1
