@@ -333,7 +333,13 @@ def node_dropins(nodes: list[NodeRole], config_path: str = DEFAULT_CONFIG) -> di
         order = [f"Wants={WORKER}", f"After={WORKER}"]
         why = ("# Written by `dspark systemd install`: this host runs both roles, so systemd orders\n"
                "# the head's side directly after the local worker (READY=1: in the rendezvous).\n")
-        out[f"{HEAD}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", order)
+        # Both vLLMs see one /dev/shm, so vLLM treats them as one node and also talks over
+        # IPC sockets in /tmp: a private /tmp per unit would hang the rendezvous. They share
+        # the host's /tmp instead (still writable under ProtectSystem=strict).
+        shared_tmp = ["# Both roles on one host: vLLM's IPC sockets in /tmp must be shared (one /dev/shm).",
+                      "PrivateTmp=no", "ReadWritePaths=/tmp /var/tmp"]
+        out[f"{HEAD}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", order) + "\n" + _section("Service", shared_tmp)
+        out[f"{WORKER}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Service", shared_tmp)
         out[f"{WAIT_WORKER}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", [f"After={WORKER}"])
     return out
 

@@ -126,8 +126,11 @@ def test_head_started_alone_waits_for_the_worker_ready_target(app: Appliance):
     """The cross-host shape: no direct ordering, only the target reached by `wait-worker`."""
     box = app.box
     box.systemctl("stop", "dspark-head", "dspark-worker", timeout=200, check=True)
-    for unit in ("dspark-head.service", "dspark-wait-worker.service"):
-        box.path(f"/etc/systemd/system/{unit}.d/60-dspark-local-pair.conf").unlink()
+    # Only the ordering goes; the shared /tmp stays (one host: vLLM's IPC sockets live there).
+    box.path("/etc/systemd/system/dspark-wait-worker.service.d/60-dspark-local-pair.conf").unlink()
+    head_dropin = box.path("/etc/systemd/system/dspark-head.service.d/60-dspark-local-pair.conf")
+    head_dropin.write_text("\n".join(line for line in head_dropin.read_text().splitlines()
+                                     if not line.startswith(("Wants=", "After="))) + "\n")
     box.systemctl("daemon-reload", check=True)
     box.systemctl("start", "--no-block", "dspark-head", check=True)
     deadline = time.monotonic() + 60

@@ -153,7 +153,9 @@ def test_install_under_a_root_writes_units_drop_ins_and_the_user(tmp_path, clust
     assert "Environment=DSPARK_NODE=local-head" in head and f"Environment=DSPARK_CONFIG={cluster_file}" in head
     assert "DSPARK_NODE=local-worker" in (unit_dir / f"{U.WORKER}.d" / U.NODE_DROPIN).read_text()
     both = settings((unit_dir / f"{U.HEAD}.d" / U.LOCAL_PAIR_DROPIN).read_text())
-    assert both == {"Wants": [U.WORKER], "After": [U.WORKER]}
+    assert both == {"Wants": [U.WORKER], "After": [U.WORKER], "PrivateTmp": ["no"],
+                    "ReadWritePaths": ["/tmp /var/tmp"]}
+    assert "PrivateTmp=no" in (unit_dir / f"{U.WORKER}.d" / U.LOCAL_PAIR_DROPIN).read_text()
     assert re.search(r"^u dspark ", (root / U.SYSUSERS_FILE).read_text(), re.M)
 
 
