@@ -94,8 +94,9 @@ def resolve_target(config_path: Path | None, url: str | None, model: str | None,
         fail(f"no server named: pass --url URL (and --model NAME), or --config CLUSTER_FILE "
              f"(or set DSPARK_CONFIG; {DEFAULT_CONFIG_PATH} does not exist)")
     cluster = load_cluster(config_path)
-    return (Target(url=cluster.api_url, model=model or cluster.model.served_name, token=token, timeout_s=timeout),
-            cluster_settings(cluster))
+    target = Target(url=cluster.head.api_url.rstrip("/"), model=model or cluster.model.served_name, token=token,
+                    timeout_s=timeout)
+    return target, cluster_settings(cluster)
 
 
 def server_options(f):
