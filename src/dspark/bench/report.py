@@ -55,8 +55,10 @@ class PrefillTrial:
     server_prompt_tokens: float | None = _f(help="Change of vLLM's prompt-token counter between the scrapes.")
     server_computed_tokens: float | None = _f(help="Change of the prefill KV-computed-tokens histogram sum.")
     server_prefill_time_s: float | None = _f(help="Change of the request prefill-time histogram sum.")
-    server_prefill_tok_s: float | None = _f(help="computed tokens / prefill time; only when exactly one request moved them.")
-    prefix_cache_hit_tokens: float | None = _f(help="Prompt tokens the server took from its prefix cache (should be 0).")
+    server_prefill_tok_s: float | None = _f(
+        help="computed tokens / prefill time; only when exactly one request moved them.")
+    prefix_cache_hit_tokens: float | None = _f(
+        help="Prompt tokens the server took from its prefix cache (should be 0).")
     overlap: bool = _f(False, help="Another request ran during this trial: its server figures are left out.")
     notes: list[str] = _f(help="Why the server figures are not valid, or other findings.", factory=list)
 
@@ -116,7 +118,8 @@ class DecodeLevel:
     server_generation_tokens: float | None = _f(help="Change of vLLM's generation-token counter over the level.")
     prefix_cache_hit_tokens: float | None = _f(help="Prompt tokens served from the prefix cache during the level.")
     preemptions: float | None = _f(help="Requests vLLM preempted during the level.")
-    spec_acceptance_rate: float | None = _f(help="Accepted / proposed draft tokens (speculative decoding), when reported.")
+    spec_acceptance_rate: float | None = _f(
+        help="Accepted / proposed draft tokens (speculative decoding), when reported.")
     spec_mean_acceptance_length: float | None = _f(help="1 + accepted / drafts: tokens per verification step.")
     spec_drafts: int | None = _f(help="Draft rounds the server reported during the level.")
 
