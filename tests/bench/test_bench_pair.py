@@ -127,6 +127,7 @@ def test_prefill_reports_reproduce_and_compare(local_pair, tmp_path):
     assert c.returncode == 0, c.stderr
     rows = [l for l in c.stdout.splitlines() if l.startswith("| 64 ") or l.startswith("| 128 ")]
     assert len(rows) == 6 and all(l.count("%") == 1 for l in rows)
+    assert "**b hit the prefix cache** at 512" in c.stdout
 
     # ... and it refuses a report of other prompts.
     d = run_dspark("bench", "prefill", "--url", local_pair.api_url, "--lengths", "64,128", "--trials", "2",

@@ -111,6 +111,12 @@ def table(a: Report, b: Report) -> str:
             sv = (lambda v: None if v is None else v * f.scale)
             lines.append(f"| {k:,} | {f.name} ({f.unit}) | {fmt(sv(va))} | {fmt(sv(vb))} | "
                          f"{_g(gain(va, vb, f.higher_is_better))} |")
+    for label, summ in ((la, sa), (lb, sb)):
+        hit = [k for k, s in summ.items() if getattr(s, "prefix_cache_hit_trials", 0)
+               or getattr(s, "prefix_cache_hit_tokens", 0)]
+        if hit:
+            lines += ["", f"**{label} hit the prefix cache** at {', '.join(map(str, hit))} (n/a there): "
+                      "the server had seen those prompts; restart it before the run."]
     missing = sorted((set(sa) ^ set(sb)))
     if missing:
         lines += ["", f"Only in one report (left out): {', '.join(map(str, missing))}"]
