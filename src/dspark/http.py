@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 
 class HTTPFailure(Exception):
-    """A request that did not produce the expected answer; the message says why."""
+    """A request that did not produce the expected answer; the message says why.
+
+    `refused` is True when nothing listens on the port (the process is gone), as opposed
+    to a timeout or a reset (it may be busy, or the network slow)."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass
@@ -44,7 +51,7 @@ def request(url: str, *, data: dict | None = None, timeout: float = 5.0, token: 
         return Response(e.code, payload, time.monotonic() - t0)
     except (urllib.error.URLError, OSError, TimeoutError) as e:
         reason = getattr(e, "reason", e)
-        raise HTTPFailure(f"{url}: {reason}") from None
+        raise HTTPFailure(f"{url}: {reason}", refused=isinstance(reason, ConnectionRefusedError)) from None
 
 
 def get_json(url: str, timeout: float = 5.0, token: str | None = None):

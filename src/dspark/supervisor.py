@@ -323,10 +323,11 @@ class Supervisor:
         # incarnations: one that restarts or vanishes would leave its vLLM waiting forever.
         bound = self.paired or self.committed
         for p in self.peers:
+            refused = False
             try:
                 s = get_json(p.node.agent_url + "/state", timeout=1.0)
-            except HTTPFailure:
-                s = None
+            except HTTPFailure as e:
+                s, refused = None, e.refused
             if s is not None:
                 p.last_seen, p.state = now, s.get("state")
                 if p.started_at is None and bound:
@@ -335,6 +336,9 @@ class Supervisor:
                     return f"{p.node.name} restarted; the pair must re-form"
                 if bound and p.state in (A.FAILED, A.STOPPING, A.STOPPED):
                     return f"{p.node.name} is {p.state}"
+            elif bound and refused and p.last_seen is not None:
+                # Nothing listens where its agent was: its supervisor has exited.
+                return f"{p.node.name}'s supervisor is gone (agent refused the connection)"
             elif bound and p.last_seen is not None and now - p.last_seen > self.sup.head_lost_s:
                 return f"{p.node.name}'s agent unreachable for {now - p.last_seen:.0f} s"
             elif bound and p.last_seen is None:
