@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,9 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from dspark.bench import decode, prompts
-from dspark.bench.client import Target, describe, scrape
-from dspark.bench.metrics import window
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from pairlib import start_pair  # noqa: E402  (`dspark local up` on free loopback ports)
+
+from dspark.bench import decode, prompts  # noqa: E402
+from dspark.bench.client import Target, describe, scrape  # noqa: E402
+from dspark.bench.metrics import window  # noqa: E402
 
 HASH_SEED = "0"        # PYTHONHASHSEED of both the prompt derivation and `vllm bench serve`
 CHUNK = 16             # timed_trace: tokens per hash id
@@ -43,48 +45,6 @@ BIN = Path(sys.executable).parent
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------- local pair
-def start_pair(workdir: Path, timeout: float = 900) -> tuple[subprocess.Popen, str]:
-    from dspark.local import LocalError, LocalPorts, check_ports_free
-
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(50):
-        base = rng.randrange(31000, 39000, 10)
-        ports = LocalPorts(api=base, master=base + 1, agent=base + 2)
-        try:
-            check_ports_free(ports)
-            break
-        except LocalError:
-            continue
-    else:
-        raise SystemExit("no free ports for a local pair")
-    out = workdir / "local-up.out"
-    with open(out, "wb") as f:
-        proc = subprocess.Popen([str(BIN / "dspark"), "local", "up", "--dir", str(workdir / "pair"),
-                                 "--api-port", str(ports.api), "--agent-port", str(ports.agent),
-                                 "--master-port", str(ports.master)],
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"dspark local up exited with {proc.returncode}:\n{out.read_text()}")
-        if "Ctrl-C stops both nodes" in out.read_text(errors="replace"):
-            return proc, f"http://127.0.0.1:{ports.api}"
-        time.sleep(1)
-    stop_pair(proc)
-    raise SystemExit(f"local pair not serving after {timeout} s")
-
-
-def stop_pair(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 # ------------------------------------------------------------------- vLLM's client's input
@@ -209,7 +169,8 @@ def main() -> int:
         url = a.url
         if url is None:
             log("starting a local pair (dspark local up) ...")
-            pair, url = start_pair(work)
+            pair = start_pair(work / "pair", timeout=900)
+            url = pair.api_url
         try:
             target = Target(url.rstrip("/"), a.model)
             info = describe(target)
@@ -259,7 +220,7 @@ def main() -> int:
                              "paired_ratios": paired, "ratio": statistics.median(paired)})
         finally:
             if pair is not None:
-                stop_pair(pair)
+                pair.stop(timeout=90)
 
     print(f"# dspark bench decode vs vllm bench serve: aggregate output tok/s "
           f"(input {a.input_len}, output {a.output_len} ignore_eos, temperature 0, "

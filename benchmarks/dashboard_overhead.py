@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import signal
 import socket
 import statistics
 import subprocess
@@ -38,6 +36,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from pairlib import start_pair  # noqa: E402  (`dspark local up` on free loopback ports)
 TARGET_PCT = 2.0
 
 
@@ -53,53 +54,6 @@ def generation_tokens(api_url: str) -> float:
 
     with urllib.request.urlopen(api_url + F.METRICS, timeout=10) as r:
         return parse(r.read().decode(), at=time.monotonic()).counters[F.GENERATION_TOKENS]
-
-
-# ----------------------------------------------------------------------------- the pair
-
-class LocalPair:
-    """`dspark local up` on free ports, stopped (by PID) at the end."""
-
-    def __init__(self, workdir: Path):
-        from dspark.local import LocalError, LocalPorts, check_ports_free
-
-        rng = random.Random(os.getpid() ^ time.monotonic_ns())
-        for _ in range(50):
-            base = rng.randrange(21000, 29000, 10)
-            self.ports = LocalPorts(api=base, master=base + 1, agent=base + 2)
-            try:
-                check_ports_free(self.ports)
-                break
-            except LocalError:
-                continue
-        self.workdir = workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.out = workdir / "local-up.out"
-        with open(self.out, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dspark", "local", "up", "--dir", str(workdir),
-                 "--api-port", str(self.ports.api), "--agent-port", str(self.ports.agent),
-                 "--master-port", str(self.ports.master)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-        deadline = time.monotonic() + 600
-        while "Ctrl-C stops both nodes" not in self.out.read_text(errors="replace"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit(f"local pair did not come up:\n{self.out.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.5)
-
-    @property
-    def cluster_file(self) -> Path:
-        return self.workdir / "cluster.toml"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
 
 
 # ----------------------------------------------------------------------------- load
@@ -282,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = None
     if args.cluster is None:
         print("starting a local pair (dspark local up) ...", flush=True)
-        pair = LocalPair(tmp / "pair")
+        pair = start_pair(tmp / "pair")
         cluster_file = pair.cluster_file
     else:
         cluster_file = args.cluster
@@ -320,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         load_.stop()
         if pair is not None:
             print("stopping the local pair ...", flush=True)
-            pair.stop()
+            pair.stop(timeout=90)
 
     wo, wi = statistics.mean(results["without"]), statistics.mean(results["with"])
     overhead = (wo - wi) / wo * 100
