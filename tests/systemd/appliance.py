@@ -106,6 +106,16 @@ def install(box: Container, ports: LocalPorts | None = None) -> Appliance:
     box.run(DSPARK, "systemd", "install", "--node", HEAD_NAME, "--node", WORKER_NAME,
             "--config", f"{CLUSTER_DIR}/cluster.toml", timeout=60, check=True)
     app = Appliance(box, ports)
+    # The units keep PrivateTmp=yes: a checkout under /tmp (a CI clone, say) would vanish
+    # inside them, so only then the test binds it back in, read-only, over the private /tmp.
+    checkout = Path(os.path.realpath(ROOT))
+    if any(checkout.is_relative_to(t) for t in ("/tmp", "/var/tmp")):
+        for unit in ("dspark-head", "dspark-worker", "dspark-wait-worker"):
+            d = box.path(f"/etc/systemd/system/{unit}.service.d")
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "91-test-checkout.conf").write_text(
+                f"# tests only: this checkout lives under a private /tmp\n[Service]\nBindReadOnlyPaths={checkout}\n")
+        box.systemctl("daemon-reload", check=True)
     # The units run as the dspark user. This checkout's interpreter may live where that user
     # cannot reach it (a pyenv under /root); then, and only then, the test runs them as root.
     probe = box.run("setpriv", "--reuid=dspark", "--regid=dspark", "--clear-groups", "--inh-caps=-all",
