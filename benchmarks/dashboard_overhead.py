@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,14 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from dashboard.helpers import DashboardProcess  # noqa: E402  (`dspark dashboard`, as the tests run it)
 from pairlib import start_pair  # noqa: E402  (`dspark local up` on free loopback ports)
+
 TARGET_PCT = 2.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def generation_tokens(api_url: str) -> float:
@@ -107,25 +101,18 @@ class OpenDashboard:
     """`dspark dashboard` (the real command) plus one client with the page open."""
 
     def __init__(self, cluster_file: Path, client: str, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.dash = DashboardProcess(cluster_file, log)
+        self.url = self.dash.url
         self.client = client
-        self._log = open(log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "dspark", "dashboard", "--config", str(cluster_file),
-                                      "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT)
         self.stop_event = threading.Event()
         self.polls = 0
         self.driver = None
         self.profile = None
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("dspark dashboard did not start")
-                time.sleep(0.2)
+        try:
+            self.dash.wait_ready(timeout=60)
+        except RuntimeError as e:
+            self.dash.stop()
+            raise SystemExit(str(e)) from None
         if client == "browser":
             self._open_browser()
         else:
@@ -156,7 +143,7 @@ class OpenDashboard:
         self.driver.get(self.url)
 
     def cpu_seconds(self) -> float:
-        return cpu_seconds(self.proc.pid)
+        return cpu_seconds(self.dash.proc.pid)
 
     def close(self) -> None:
         self.stop_event.set()
@@ -166,14 +153,7 @@ class OpenDashboard:
             import shutil
 
             shutil.rmtree(self.profile, ignore_errors=True)
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
+        self.dash.stop()
 
 
 # ----------------------------------------------------------------------------- the run
