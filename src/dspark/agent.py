@@ -137,7 +137,6 @@ class Agent:
             def log_message(self, *args) -> None:  # keep the journal for the supervisor's own lines
                 pass
 
-        ThreadingHTTPServer.allow_reuse_address = True
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="dspark-agent", daemon=True)

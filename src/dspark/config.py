@@ -215,9 +215,6 @@ class Cluster:
         how = "" if name else " (taken from the host name; pass --node NAME)"
         raise ConfigError([f"no node named {wanted!r}{how}; the file lists: {names}"], self.source)
 
-    def api_url(self) -> str:
-        return self.head.api_url
-
 
 # --------------------------------------------------------------------------- validation
 

@@ -177,11 +177,10 @@ class Pair:
                 pass
         for p in self.procs.values():
             # A supervisor sweeps vLLM's process group itself; this is the last resort.
-            for target in (p.pid,):
-                try:
-                    os.killpg(target, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 from . import agent as A
 from . import hardware, vllm_facts
@@ -353,13 +353,13 @@ class Supervisor:
         return self.proc is not None and self.proc.poll() is None
 
     # ------------------------------------------------------------------ the loop
-    def run(self, wait_for_workers: bool = True) -> int:
+    def run(self) -> int:
         self.set_state(A.STARTING, f"rank {self.node.rank} of {len(self.cluster.nodes)}")
         self.agent = A.Agent(self.node.agent_bind, self.node.agent_port, self.snapshot).start()
         try:
             code = self._backoff() if self.history is not None else None
             if code is None:
-                code = self._run(wait_for_workers)
+                code = self._run()
             if self.history is not None:
                 if code == EXIT_OK:
                     self.history.save(0)
@@ -390,9 +390,9 @@ class Supervisor:
             time.sleep(self.tick_s)
         return None
 
-    def _run(self, wait_for_workers: bool) -> int:
+    def _run(self) -> int:
         t_start = time.monotonic()
-        if self.node.is_head and wait_for_workers and self.peers:
+        if self.node.is_head and self.peers:
             code = self._wait_for_workers(t_start)
             if code is not None:
                 return code
@@ -593,9 +593,9 @@ def _count_start(state_dir: Path | None) -> int:
     return starts
 
 
-def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
-          check_plan: Callable[[], None] | None = None) -> int:
-    """The body of `dspark serve`: plan check, then supervise until stopped. Returns the exit code."""
+def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None) -> int:
+    """The body of `dspark serve` (the CLI checks the memory plan first): supervise until
+    stopped. Returns the exit code."""
     # The restart backoff only matters where something restarts the node: under systemd.
     sup = Supervisor(cluster, node, state_dir=state_dir, api_key=read_api_key(),
                      backoff="INVOCATION_ID" in os.environ)

@@ -12,7 +12,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from .. import vllm_facts as F
-from ..http import HTTPFailure, request
+from ..http import HTTPFailure, Response, request
 from . import metrics
 
 
@@ -44,7 +44,8 @@ class ServerInfo:
 API_KEY_HINT = "the server wants an API key: set DSPARK_API_KEY (or VLLM_API_KEY)"
 
 
-def _get(target: Target, path: str, timeout: float = 10.0):
+def _fetch(target: Target, path: str, timeout: float) -> Response:
+    """GET `path`; anything but a 200 answer is a BenchError that says why."""
     try:
         r = request(target.endpoint(path), timeout=timeout, token=target.token)
     except HTTPFailure as e:
@@ -53,6 +54,11 @@ def _get(target: Target, path: str, timeout: float = 10.0):
         raise BenchError(f"{target.endpoint(path)}: HTTP 401: {API_KEY_HINT}")
     if r.status != 200:
         raise BenchError(f"server failing: {target.endpoint(path)}: HTTP {r.status}")
+    return r
+
+
+def _get(target: Target, path: str, timeout: float = 10.0):
+    r = _fetch(target, path, timeout)
     try:
         return r.json()
     except ValueError:
@@ -93,16 +99,8 @@ def describe(target: Target) -> ServerInfo:
 
 
 def scrape(target: Target, model: str | None = None) -> metrics.Snapshot:
-    try:
-        r = request(target.endpoint(F.METRICS), timeout=30.0, token=target.token)
-    except HTTPFailure as e:
-        raise BenchError(f"server unreachable or failing: {e}") from None
-    if r.status == 401:
-        raise BenchError(f"{target.endpoint(F.METRICS)}: HTTP 401: {API_KEY_HINT}")
-    if r.status != 200:
-        raise BenchError(f"server failing: {target.endpoint(F.METRICS)}: HTTP {r.status}")
-    snap = metrics.parse(r.body.decode("utf-8", "replace"), model=model)
-    return snap
+    r = _fetch(target, F.METRICS, timeout=30.0)
+    return metrics.parse(r.body.decode("utf-8", "replace"), model=model)
 
 
 @dataclass

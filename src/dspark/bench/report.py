@@ -235,7 +235,7 @@ def _header(r: Report) -> list[str]:
         f"- client: {r.host}, dspark {r.dspark_version}; started {r.started_at}, finished {r.finished_at or '-'}",
         f"- status: {status}",
         f"- prompt set SHA-256: `{r.prompt_set_sha256}`",
-        f"- parameters: " + ", ".join(f"{k}={v}" for k, v in r.params.items()),
+        "- parameters: " + ", ".join(f"{k}={v}" for k, v in r.params.items()),
         "",
     ]
     return lines
