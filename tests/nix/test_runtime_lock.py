@@ -91,7 +91,7 @@ def test_pins_the_release_the_overlay_is_written_for():
     assert PACKAGES["vllm"]["sha256"] == "817b8181f7f61b4a62dc1d5d9ab39f2bfb60a6cb86c29879a78a147b85756787"
     assert PACKAGES["torch"]["version"] == "2.13.0"
     assert PACKAGES["flashinfer-python"]["version"] == "0.6.16.post3"
-    assert PACKAGES["b12x"]["version"] == "0.15.2"
+    assert PACKAGES["b12x"]["version"] == "1.2.6"
 
 
 def test_the_roots_are_the_requirements_file():
