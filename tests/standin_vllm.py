@@ -7,6 +7,12 @@ Behaviour is chosen with STANDIN_* environment variables:
   STANDIN_FAIL_AFTER   answer completions with HTTP 500 after this many seconds
   STANDIN_CHILD_FILE   start a grandchild in the same process group and write its PID there
   STANDIN_READY_DELAY  seconds of "loading" before the API answers
+  STANDIN_SLOTS        requests the "engine" runs at once (others wait), like max_num_seqs
+  STANDIN_TOKEN_S      seconds per generated token of each running request
+  STANDIN_STALL_AFTER  after this many seconds the engine stops making progress (a wedged
+                       collective): running requests never finish, queued ones never start,
+                       /health still answers and /metrics keeps showing the values of that moment
+The API serves /metrics with vLLM's own metric names for the requests it ran.
 """
 
 import json
@@ -62,8 +68,75 @@ log("Starting to load model")
 time.sleep(float(env.get("STANDIN_READY_DELAY", "0.3")))
 log("Warming up model for the compilation...")
 
+class Engine:
+    """Requests in `slots`, tokens at `token_s` each, counters as vLLM reports them."""
+
+    def __init__(self):
+        self.slots = threading.Semaphore(int(env.get("STANDIN_SLOTS", "64")))
+        self.token_s = float(env.get("STANDIN_TOKEN_S", "0"))
+        self.stall_at = t0 + float(env.get("STANDIN_STALL_AFTER", "1e9"))
+        self.lock = threading.Lock()
+        self.c = {"running": 0, "waiting": 0, "prompt": 0, "gen": 0, "success": 0}
+        self.frozen = None
+
+    def stalled(self) -> bool:
+        if time.monotonic() < self.stall_at:
+            return False
+        with self.lock:
+            if self.frozen is None:
+                self.frozen = dict(self.c)
+        return True
+
+    def hang(self):
+        while time.monotonic() - t0 < 600:  # until the supervisor stops this process
+            time.sleep(0.1)
+        os._exit(1)
+
+    def add(self, **d):
+        with self.lock:
+            for k, v in d.items():
+                self.c[k] += v
+
+    def run(self, prompt_len: int, max_tokens: int) -> None:
+        if self.stalled():
+            self.hang()
+        self.add(waiting=1)
+        while not self.slots.acquire(timeout=0.1):
+            if self.stalled():
+                self.hang()
+        if self.stalled():
+            self.hang()
+        self.add(waiting=-1, running=1, prompt=prompt_len)
+        for _ in range(max_tokens):
+            if self.token_s:
+                time.sleep(self.token_s)
+            if self.stalled():
+                self.hang()
+            self.add(gen=1)
+        self.add(running=-1, success=1)
+        self.slots.release()
+
+    def metrics(self) -> str:
+        self.stalled()
+        with self.lock:
+            c = self.frozen or self.c
+            lab = '{engine="0",model_name="m"}'
+            return "".join([
+                "# TYPE process_start_time_seconds gauge\n",
+                f"process_start_time_seconds {START}\n",
+                "# TYPE vllm:num_requests_running gauge\n", f"vllm:num_requests_running{lab} {c['running']}\n",
+                "# TYPE vllm:num_requests_waiting gauge\n", f"vllm:num_requests_waiting{lab} {c['waiting']}\n",
+                "# TYPE vllm:prompt_tokens_total counter\n", f"vllm:prompt_tokens_total{lab} {c['prompt']}\n",
+                "# TYPE vllm:generation_tokens_total counter\n", f"vllm:generation_tokens_total{lab} {c['gen']}\n",
+                "# TYPE vllm:request_success_total counter\n", f"vllm:request_success_total{lab} {c['success']}\n",
+            ])
+
+
+START = time.time()
+
 if "--headless" not in argv:
     fail_after = float(env.get("STANDIN_FAIL_AFTER", "1e9"))
+    engine = Engine()
 
     class H(BaseHTTPRequestHandler):
         def _send(self, code, obj):
@@ -79,15 +152,24 @@ if "--headless" not in argv:
                 self._send(200, {})
             elif self.path == "/version":
                 self._send(200, {"version": "0.28.0-standin"})
+            elif self.path == "/metrics":
+                data = engine.metrics().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
             else:
                 self._send(404, {})
 
         def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if time.monotonic() - t0 > fail_after:
                 self._send(500, {"error": "engine dead"})
-            else:
-                self._send(200, {"choices": [{"text": "x"}]})
+                return
+            prompt = body.get("prompt", [0])
+            engine.run(len(prompt) if isinstance(prompt, list) else 1, int(body.get("max_tokens", 1)))
+            self._send(200, {"choices": [{"text": "x", "finish_reason": "length"}]})
 
         def log_message(self, *a):
             pass

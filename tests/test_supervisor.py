@@ -7,7 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -223,3 +226,72 @@ def test_refuses_a_plan_that_does_not_fit(tmp_path):
     assert r.returncode == EXIT_CONFIG, r.stderr
     assert "refusing to start" in r.stderr and "Traceback" not in r.stderr
     assert not env_file.exists()  # vLLM was never started
+
+
+def completions(api_url: str, n: int, max_tokens: int, timeout: float = 60) -> tuple[list, list[threading.Thread]]:
+    """`n` concurrent completions in threads; each result lands in the returned list."""
+    results: list = []
+
+    def one():
+        body = json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": max_tokens}).encode()
+        req = urllib.request.Request(api_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                results.append(r.status)
+        except (urllib.error.URLError, OSError) as e:
+            results.append(repr(e))
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def test_a_saturated_head_is_alive_on_progress_and_keeps_its_requests(tmp_path, serve):
+    # 2 slots, 4 requests of 100 tokens at 50 ms: the queue is full for ~10 s, more than
+    # 3 x (interval + timeout). A 1-token probe would wait behind it and time out.
+    s = serve(write_cluster(tmp_path, stall_s=5.0), "h", STANDIN_SLOTS=2, STANDIN_TOKEN_S=0.05)
+    s.read(until="READY=1")
+    t0 = time.monotonic()
+    results, threads = completions(s.node.api_url, 4, max_tokens=100)
+    proofs = set()
+    while any(t.is_alive() for t in threads) and time.monotonic() - t0 < 40:
+        live = s.state()["liveness"]
+        proofs.add(live["proof"])
+        assert s.state()["state"] == "serving", s.state()
+        time.sleep(0.3)
+    assert results == [200] * 4
+    assert time.monotonic() - t0 > 3 * (0.5 + 1.0)
+    assert "progress" in proofs
+    assert s.proc.poll() is None and s.state()["state"] == "serving"
+    pings = [m for m in s.read(timeout=3) if m == "WATCHDOG=1"]
+    assert pings  # the watchdog is fed on progress too
+
+
+def test_a_stalled_engine_is_detected_within_stall_s_while_health_answers(tmp_path, serve):
+    stall_s, interval = 3.0, 0.5
+    s = serve(write_cluster(tmp_path, stall_s=stall_s, liveness_interval_s=interval), "h",
+              STANDIN_TOKEN_S=0.05, STANDIN_STALL_AFTER=4)
+    s.read(until="READY=1")
+    completions(s.node.api_url, 3, max_tokens=1000)
+    while time.monotonic() - s.t0 < 4:
+        assert s.state()["state"] == "serving"
+        time.sleep(0.2)
+    t_stall = s.t0 + 4  # the stand-in starts after s.t0, so its stall is no earlier than this
+    assert s.wait(timeout=30) == EXIT_DIED
+    detected = time.monotonic() - t_stall
+    assert "engine stalled: 3 running" in s.messages[-1], s.messages[-1]
+    assert detected < stall_s + interval + 2.0, detected  # + the stop and a loaded host's slack
+
+
+def test_a_hung_idle_engine_is_caught_by_the_probe_and_the_watchdog_is_starved(tmp_path, serve):
+    s = serve(write_cluster(tmp_path, stall_s=30.0), "h", STANDIN_STALL_AFTER=3)
+    s.read(until="READY=1")
+    s.read(until="liveness lost", timeout=20)
+    st = s.state()
+    assert st["state"] == "failed" and "probe failed (2/2)" in st["detail"]
+    assert st["liveness"]["proof"] == "probe"
+    # Under the watchdog a hung vLLM is systemd's to kill: no ping after the verdict.
+    n = len(s.messages)
+    assert "WATCHDOG=1" not in s.read(timeout=5)[n:]

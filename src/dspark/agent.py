@@ -31,10 +31,15 @@ STATES = (STARTING, RENDEZVOUS, LOADING, WARMING, SERVING, STOPPING, STOPPED, FA
 
 @dataclass
 class Liveness:
-    ok: bool
-    at: float  # unix time of the check
-    latency_s: float | None = None
-    error: str | None = None
+    """The head's last liveness round and the last proof of life (dspark.liveness)."""
+
+    ok: bool                          # the last round found the engine alive
+    at: float                         # unix time of that round
+    latency_s: float | None = None    # the last 1-token probe's latency, when one ran
+    error: str | None = None          # why the last round did not find it alive
+    proof: str | None = None          # what proved it alive last: "progress" or "probe"
+    proof_at: float | None = None     # unix time of that proof
+    proof_detail: str = ""
 
 
 @dataclass
@@ -83,9 +88,16 @@ def metrics_text(s: dict) -> str:
     live = s.get("liveness")
     if live:
         simple += [
-            ("dspark_node_liveness_ok", "1 if the last real 1-token completion succeeded", 1 if live["ok"] else 0),
-            ("dspark_node_liveness_timestamp_seconds", "Unix time of the last liveness check", live["at"]),
+            ("dspark_node_liveness_ok", "1 if the last liveness round found the engine alive", 1 if live["ok"] else 0),
+            ("dspark_node_liveness_timestamp_seconds", "Unix time of the last liveness round", live["at"]),
         ]
+        if live.get("proof_at") is not None:
+            simple.append(("dspark_node_liveness_proof_timestamp_seconds",
+                           "Unix time of the last proof of life (progress or probe)", live["proof_at"]))
+            proof = Gauge("dspark_node_liveness_proof", "1 for the kind of the last proof of life",
+                          [*labels, "proof"], registry=reg)
+            for kind in ("progress", "probe"):
+                proof.labels(**labels, proof=kind).set(1 if live.get("proof") == kind else 0)
         if live.get("latency_s") is not None:
             simple.append(("dspark_node_liveness_latency_seconds", "Latency of the last liveness completion",
                            live["latency_s"]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import math
 import os
 import socket
 import tomllib
@@ -137,6 +138,12 @@ class SupervisorConfig:
     liveness_timeout_s: float = _f(10.0, help="A liveness completion slower than this counts as failed.",
                                    example=10.0)
     liveness_failures: int = _f(2, help="Consecutive failed liveness checks before the head gives up.", example=2)
+    stall_s: float = _f(
+        180.0, help="While requests run or wait, the head's engine is alive as long as vLLM's token counters "
+                    "advance; nothing advancing for this long is a stall (a wedged collective) and stops the "
+                    "pair. Above the slowest engine step: an 8192-token prefill chunk takes seconds on two "
+                    "GB10 nodes (about 2,000 prompt tok/s), and vLLM's own step timeout is 300 s.",
+        example=180.0)
     stop_grace_s: float = _f(30.0, help="Seconds vLLM gets after SIGTERM before SIGKILL.", example=30.0)
     head_lost_s: float = _f(10.0, help="A serving worker leaves once the head's agent is unreachable this long.",
                             example=10.0)
@@ -380,9 +387,12 @@ def check(c: Cluster) -> list[str]:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             p.append("serving.speculative_config.num_speculative_tokens: must be a whole number >= 0")
     for name in ("ready_timeout_s", "liveness_interval_s", "liveness_timeout_s", "stop_grace_s", "head_lost_s",
-                 "rendezvous_timeout_s", "worker_wait_timeout_s"):
-        if getattr(sup, name) <= 0:
-            p.append(f"supervisor.{name}: must be positive, got {getattr(sup, name)}")
+                 "rendezvous_timeout_s", "worker_wait_timeout_s", "stall_s"):
+        if not math.isfinite(getattr(sup, name)) or getattr(sup, name) <= 0:
+            p.append(f"supervisor.{name}: must be a positive, finite number of seconds, got {getattr(sup, name)}")
+    if math.isfinite(sup.stall_s) and sup.stall_s < 2 * sup.liveness_interval_s:
+        p.append(f"supervisor.stall_s: must be at least twice liveness_interval_s ({sup.liveness_interval_s:g} s): "
+                 f"a stall is seen by comparing readings taken an interval apart; got {sup.stall_s:g}")
     if sup.liveness_failures < 1:
         p.append("supervisor.liveness_failures: must be at least 1")
 

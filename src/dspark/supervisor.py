@@ -6,10 +6,12 @@ and stops vLLM cleanly. Signal handlers only record the signal; the loop in `run
 
 Ready:    worker: vLLM is up and waiting for (or in) the rendezvous;
           head:   /health answers 200 and a real 1-token completion succeeds.
-Liveness: head: a real 1-token completion every `liveness_interval_s` (vLLM's /health kept
-          answering 200 after a worker died); every node: its peers' agents (a peer that
-          restarted or vanished means the pair is broken, and a broken pair never heals:
-          restarts are of the pair, worker first).
+Liveness: head: every `liveness_interval_s`, judged on progress while requests run or wait
+          (vLLM's token counters must advance within `stall_s`), by a real 1-token completion
+          while idle (vLLM's /health kept answering 200 after a worker died); see
+          dspark.liveness. Every node: its peers' agents (a peer that restarted or vanished
+          means the pair is broken, and a broken pair never heals: restarts are of the pair,
+          worker first).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from . import agent as A
 from . import hardware, vllm_facts
 from .config import Cluster, NodeConfig
 from .http import HTTPFailure, get_json, request
+from .liveness import LivenessJudge, Verdict, read_progress
 from .notify import Notifier, child_env
 from .render import Launch, render
 
@@ -184,8 +187,9 @@ class Supervisor:
         self._stage = "starting"
         self._lock = threading.Lock()
         self._liveness_thread: threading.Thread | None = None
-        self._liveness_failures = 0
-        self._last_live_ok: float | None = None
+        self._verdict: tuple[Verdict, A.Liveness | None] | None = None
+        self.judge = LivenessJudge(stall_s=self.sup.stall_s, probe_failures=self.sup.liveness_failures,
+                                   fresh_s=self.sup.liveness_interval_s + self.sup.liveness_timeout_s)
         self.agent: A.Agent | None = None
         self._gpu = hardware.Gpu()
 
@@ -312,10 +316,34 @@ class Supervisor:
         with self._lock:
             self.state.vllm_version = v
 
-    def _liveness_worker(self) -> None:
-        result = self.one_token(self.sup.liveness_timeout_s)
+    def read_progress(self):
+        """vLLM's work counters from /metrics, or None when there is no usable answer."""
+        try:
+            r = request(self.api(vllm_facts.METRICS), timeout=self.sup.liveness_timeout_s, token=self.api_key)
+            return read_progress(r.body.decode("utf-8", "replace")) if r.status == 200 else None
+        except (HTTPFailure, ValueError):
+            return None
+
+    def _liveness_round(self) -> None:
+        """One liveness round (in a thread): read the counters; probe only if the judge asks."""
+        judge = self.judge
+        verdict = judge.observe(self.read_progress(), time.monotonic())
+        probe = None
+        if verdict.need_probe:
+            probe = self.one_token(self.sup.liveness_timeout_s)
+            verdict = judge.probed(probe.ok, probe.error, probe.latency_s, self.read_progress(), time.monotonic())
+        self._record_liveness(verdict, probe)
+
+    def _record_liveness(self, verdict: Verdict, probe: A.Liveness | None) -> None:
+        now_mono, now = time.monotonic(), time.time()
+        proof = self.judge.proof
+        live = A.Liveness(ok=verdict.alive, at=now, latency_s=probe.latency_s if probe else None,
+                          error=verdict.reason or None)
+        if proof is not None:
+            live.proof, live.proof_at, live.proof_detail = proof.kind, now - (now_mono - proof.at), proof.detail
         with self._lock:
-            self.state.liveness = result
+            self.state.liveness = live
+            self._verdict = (verdict, probe)
 
     def check_peers(self, now: float) -> str | None:
         """Poll the peers' agents; return why the pair is broken, or None."""
@@ -347,9 +375,8 @@ class Supervisor:
 
     def _watchdog_ok(self, now: float) -> bool:
         if self.node.is_head:
-            # Only while a real completion succeeded recently.
-            recent = self.sup.liveness_interval_s + self.sup.liveness_timeout_s
-            return self._last_live_ok is not None and now - self._last_live_ok <= recent
+            # Only while a liveness round found the engine alive recently (progress or probe).
+            return self.judge.fed(now)
         return self.proc is not None and self.proc.poll() is None
 
     # ------------------------------------------------------------------ the loop
@@ -433,13 +460,15 @@ class Supervisor:
                         last_health = now
                         if self.probe_health():
                             live = self.one_token(self.sup.liveness_timeout_s)
-                            with self._lock:
-                                self.state.liveness = live
                             if live.ok:
+                                self._record_liveness(self.judge.probed(True, None, live.latency_s,
+                                                                        self.read_progress(), now), live)
                                 self._fetch_version()
                                 self._become_ready(now)
-                                self._last_live_ok = now
                                 last_live = now
+                            else:
+                                with self._lock:
+                                    self.state.liveness = live
                 else:
                     if stage != "starting" and stage != self.state.state:
                         self.set_state(stage, _stage_detail(stage))
@@ -453,29 +482,25 @@ class Supervisor:
                     live_thread = self._liveness_thread
                     if live_thread is not None and not live_thread.is_alive():
                         self._liveness_thread = None
-                        live = self.state.liveness
-                        if live is not None and live.ok:
-                            self._liveness_failures = 0
-                            self._last_live_ok = now
-                        else:
-                            self._liveness_failures += 1
-                            err = live.error if live else "no answer"
-                            self.say(f"liveness check failed ({self._liveness_failures}/"
-                                     f"{self.sup.liveness_failures}): {err}")
-                            if self._liveness_failures >= self.sup.liveness_failures:
-                                if self.notify.watchdog_interval and (live is None or live.latency_s is None):
-                                    # No answer at all: a hung vLLM. Under systemd's watchdog that
-                                    # is its call (the pings stopped with the last good completion;
-                                    # it kills what no longer responds, result 'watchdog'). An error
-                                    # answer is ours to act on, below.
-                                    self.set_state(A.FAILED, f"liveness lost: {err}; the watchdog restarts the node")
-                                else:
-                                    self.set_state(A.FAILED, f"liveness lost: {err}")
-                                    self.stop_vllm("liveness lost")
-                                    return EXIT_DIED
+                        verdict, probe = self._verdict
+                        if not verdict.alive:
+                            self.say(verdict.reason)
+                        if verdict.dead:
+                            hung = probe is not None and probe.latency_s is None
+                            if self.notify.watchdog_interval and hung:
+                                # No answer at all: a hung vLLM. Under systemd's watchdog that
+                                # is its call (the pings stopped with the last round that found
+                                # it alive; it kills what no longer responds, result 'watchdog').
+                                # An error answer or a stall is ours to act on, below.
+                                self.set_state(A.FAILED, f"liveness lost: {verdict.reason}; "
+                                                         "the watchdog restarts the node")
+                            else:
+                                self.set_state(A.FAILED, f"liveness lost: {verdict.reason}")
+                                self.stop_vllm("liveness lost")
+                                return EXIT_DIED
                     if self._liveness_thread is None and now - last_live >= self.sup.liveness_interval_s:
                         last_live = now
-                        self._liveness_thread = threading.Thread(target=self._liveness_worker, daemon=True)
+                        self._liveness_thread = threading.Thread(target=self._liveness_round, daemon=True)
                         self._liveness_thread.start()
                 else:
                     stage = self._stage
