@@ -105,3 +105,14 @@ def test_read_progress_on_vllm_metrics_text(fixture):
 def test_read_progress_refuses_what_is_not_vllm_metrics():
     with pytest.raises(ValueError):
         read_progress("<html>not metrics</html>")
+
+
+def test_a_long_prefill_moves_the_kv_usage_before_any_token_is_counted():
+    # vLLM counts a prompt's tokens when its prefill ends; each chunk allocates KV blocks.
+    j = judge(stall_s=30.0)
+    j.observe(Progress(running=1, waiting=0, work=100, kv_usage=0.01, started=1.0), 0.0)
+    for i in range(1, 20):  # 95 s of chunks, no token counted
+        v = j.observe(Progress(running=1, waiting=0, work=100, kv_usage=0.01 + 0.004 * i, started=1.0), 5.0 * i)
+        assert v.alive and not v.dead
+    assert "KV cache" in j.proof.detail
+    assert j.observe(Progress(running=1, waiting=0, work=100, kv_usage=0.01 + 0.004 * 19, started=1.0), 130.0).dead

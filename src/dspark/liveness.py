@@ -2,9 +2,12 @@
 
 A 1-token completion queues behind user traffic like any other request: on a saturated
 server it times out although the engine is busy and healthy. So while requests are running
-or waiting, the proof of life is vLLM's own work counters on /metrics (prompt and generated
-tokens) advancing; a **stall** is work queued or running with nothing advancing for
-`stall_s`. Only when the engine is idle (nothing queued, nothing advanced since the last
+or waiting, the proof of life is vLLM's own figures on /metrics moving: the prompt and
+generated token counters, and the KV-cache usage. The usage matters for long prompts: vLLM
+0.28.0 counts a prompt's tokens only once its whole prefill is done (a 350,000-token prompt
+is minutes of chunks on two GB10 nodes), but every engine step reports the scheduler's
+figures, and each prefill chunk allocates KV blocks. A **stall** is work queued or running
+with none of them moving for `stall_s`. Only when the engine is idle (nothing queued, nothing advanced since the last
 look) does a real 1-token completion prove it, as before (vLLM's /health kept answering
 after a worker died; a wedged collective leaves /health and /metrics answering too).
 
@@ -30,6 +33,7 @@ class Progress:
     running: float
     waiting: float
     work: float                  # prompt + generated tokens, since the API server started
+    kv_usage: float = 0.0        # KV-cache usage (0..1): moves with every prefill chunk
     started: float | None = None  # the API server's process start (a restart resets counters)
 
     @property
@@ -47,7 +51,7 @@ def read_progress(text: str) -> Progress:
         raise ValueError(str(e)) from None
     return Progress(running=s.gauges.get(F.RUNNING, 0.0), waiting=s.gauges.get(F.WAITING, 0.0),
                     work=(s.counters.get(F.PROMPT_TOKENS) or 0.0) + (s.counters.get(F.GENERATION_TOKENS) or 0.0),
-                    started=s.process_start)
+                    kv_usage=s.gauges.get(F.KV_USAGE, 0.0), started=s.process_start)
 
 
 @dataclass(frozen=True)
@@ -88,10 +92,11 @@ class LivenessJudge:
             self.since = None
             return Verdict(alive=False, need_probe=True, reason="no usable /metrics answer")
         comparable = prev is not None and prev.started == p.started and p.work >= prev.work
-        advanced = comparable and p.work > prev.work
-        if advanced:
+        if comparable and (p.work > prev.work or p.kv_usage != prev.kv_usage):
             self.since = now if p.busy else None
-            return self._alive(PROGRESS, now, f"{p.work - prev.work:,.0f} tokens since the last look; "
+            moved = (f"{p.work - prev.work:,.0f} tokens" if p.work > prev.work
+                     else f"KV cache {prev.kv_usage:.2%} -> {p.kv_usage:.2%} (prefill)")
+            return self._alive(PROGRESS, now, f"{moved} since the last look; "
                                               f"{p.running:.0f} running, {p.waiting:.0f} waiting")
         if not p.busy:
             self.since = None
@@ -121,7 +126,7 @@ class LivenessJudge:
             return self._alive(PROBE, now, f"1-token completion in {latency_s:.2f} s" if latency_s is not None
                                else "1-token completion")
         if (after is not None and before is not None and after.started == before.started
-                and after.work > before.work):
+                and (after.work > before.work or after.kv_usage != before.kv_usage)):
             # Traffic arrived while the probe waited and the engine worked through it.
             return self._alive(PROGRESS, now, f"probe starved by traffic ({error}); "
                                               f"{after.work - before.work:,.0f} tokens processed meanwhile")

@@ -105,8 +105,10 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
             "extra_args": extra,
             "env": {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)},
         },
+        # The tiny model's engine steps take milliseconds, a loaded two-core host's a few seconds:
+        # 30 s of nothing moving while requests wait is a wedge here (GB10's default is 180 s).
         "supervisor": {"ready_timeout_s": 900.0, "liveness_interval_s": 5.0, "liveness_timeout_s": 10.0,
-                       "stop_grace_s": 15.0, "worker_wait_timeout_s": 600.0},
+                       "stall_s": 30.0, "stop_grace_s": 15.0, "worker_wait_timeout_s": 600.0},
         "nodes": [
             {"name": HEAD_NAME, "rank": 0, "role": "head", "address": HEAD_ADDR, "api_host": HEAD_ADDR,
              "api_port": ports.api, **node_common},

@@ -327,11 +327,15 @@ class Supervisor:
     def _liveness_round(self) -> None:
         """One liveness round (in a thread): read the counters; probe only if the judge asks."""
         judge = self.judge
-        verdict = judge.observe(self.read_progress(), time.monotonic())
+        before = self.read_progress()
+        verdict = judge.observe(before, time.monotonic())
         probe = None
         if verdict.need_probe:
             probe = self.one_token(self.sup.liveness_timeout_s)
-            verdict = judge.probed(probe.ok, probe.error, probe.latency_s, self.read_progress(), time.monotonic())
+            # A second reading shows whether the engine worked meanwhile (and sets the baseline
+            # past the probe's own tokens); pointless when /metrics gave nothing before.
+            after = self.read_progress() if before is not None else None
+            verdict = judge.probed(probe.ok, probe.error, probe.latency_s, after, time.monotonic())
         self._record_liveness(verdict, probe)
 
     def _record_liveness(self, verdict: Verdict, probe: A.Liveness | None) -> None:

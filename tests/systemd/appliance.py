@@ -48,6 +48,13 @@ class Appliance:
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.ports.api}"
 
+    @property
+    def cluster(self):
+        """The cluster file the units run with (read through the container's root)."""
+        from dspark import config as C
+
+        return C.load(self.box.path(f"{CLUSTER_DIR}/cluster.toml"))
+
     def agent_url(self, node: str) -> str:
         return f"http://{'127.0.0.1' if node == HEAD_NAME else '127.0.0.2'}:{self.ports.agent}"
 

@@ -2,19 +2,23 @@
 module and always removed), running the real local vLLM pair.
 
 The tests run in file order against one container and one installed appliance: start,
-status, a worker kill, a hung head, the head started alone (cross-host ordering), stop.
+status, a worker kill, a hung head, a wedged worker, the head started alone (cross-host ordering), stop.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
 from appliance import CLUSTER_DIR, UNITS, Appliance, install
 from nspawn_container import Container, missing_requirements
 
-from dspark.local import HEAD_NAME, WORKER_NAME
+from dspark.local import HEAD_NAME, SERVED_NAME, WORKER_NAME
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]
@@ -120,6 +124,60 @@ def test_hung_head_is_restarted_by_the_watchdog(app: Appliance):
     assert app.box.run("kill", "-0", str(pid), timeout=10).returncode != 0
     # Second failure in a row without a stable spell in between: the restart backs off and says so.
     assert first(journal, "backoff: 2 failed runs in a row"), "\n".join(line for _, line in journal[-40:])
+
+
+def test_wedged_worker_is_a_stall_and_the_pair_recovers_worker_first(app: Appliance):
+    """The worker's vLLM stopped (SIGSTOP) while requests run: /health and /metrics still
+    answer, nothing advances; the head calls it a stall within stall_s and both restart."""
+    app.wait_serving(START_S)
+    stall_s, interval = app.cluster.supervisor.stall_s, app.cluster.supervisor.liveness_interval_s
+    restarts = {u: app.main_pid_restarts(u) for u in ("dspark-head.service", "dspark-worker.service")}
+    stop = threading.Event()
+    threads = [threading.Thread(target=_load, args=(app.api_url, stop), daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(3)
+        pid = app.state(WORKER_NAME)["vllm_pid"]
+        since = usec()
+        t0 = time.monotonic()
+        app.kill("STOP", pid, group=True)
+        detected = None
+        while time.monotonic() - t0 < stall_s + 60:
+            s = app.state(HEAD_NAME, timeout=1.0)
+            if s is None or s["state"] != "serving":
+                detected = time.monotonic() - t0
+                break
+            time.sleep(0.2)
+    finally:
+        stop.set()
+    assert detected is not None and detected <= stall_s + interval + 3, detected
+    back = app.wait_serving(START_S)
+    head_journal = app.box.journal("dspark-head.service", since)
+    assert first(head_journal, "engine stalled"), "\n".join(line for _, line in head_journal[-30:])
+    for unit, n in restarts.items():
+        assert app.main_pid_restarts(unit) > n, unit
+    worker_ready = first(app.box.journal("dspark-worker.service", since), "ready (in the rendezvous)")
+    head_vllm = first(head_journal, "starting vLLM")
+    assert worker_ready is not None and head_vllm is not None and worker_ready < head_vllm
+    print(f"worker wedge: detected after {detected:.1f} s (stall_s {stall_s:g}), "
+          f"serving again {back + detected:.0f} s after the SIGSTOP")
+
+
+def _load(api_url: str, stop: threading.Event) -> None:
+    """Long completions back to back until `stop` (bounded by it and by each request's timeout)."""
+    body = json.dumps({"model": SERVED_NAME, "prompt": [1, 2, 3, 4], "max_tokens": 2000,
+                       "ignore_eos": True}).encode()
+    for _ in range(100):
+        if stop.is_set():
+            return
+        req = urllib.request.Request(api_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                r.read()
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.5)
 
 
 def test_head_started_alone_waits_for_the_worker_ready_target(app: Appliance):

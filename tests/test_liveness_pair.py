@@ -1,0 +1,157 @@
+"""Liveness on the real local pair (issue 16): a saturated pair keeps serving every request, a
+wedged one (the worker's vLLM stopped with SIGSTOP) is found within stall_s, and a hung engine
+with nothing queued is caught by the 1-token probe. Under systemd: tests/systemd."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from dspark import config as C
+from dspark import local as L
+from dspark import vllm_facts as F
+from dspark.liveness import read_progress
+
+pytestmark = pytest.mark.pair
+
+
+def complete(api_url: str, max_tokens: int, timeout: float = 600) -> str:
+    """One completion of exactly `max_tokens` tokens; 'ok' or what went wrong."""
+    body = json.dumps({"model": L.SERVED_NAME, "prompt": [1, 2, 3, 4], "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(api_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        return repr(e)
+    n = out["usage"]["completion_tokens"]
+    return "ok" if n == max_tokens else f"{n} of {max_tokens} tokens"
+
+
+def load(api_url: str, clients: int, until: float, max_tokens: int) -> tuple[list[str], list[threading.Thread]]:
+    """`clients` threads sending completions back to back until monotonic time `until`."""
+    results: list[str] = []
+
+    def client():
+        while time.monotonic() < until:
+            results.append(complete(api_url, max_tokens))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def metrics(api_url: str):
+    with urllib.request.urlopen(api_url + F.METRICS, timeout=10) as r:
+        return read_progress(r.read().decode())
+
+
+def test_saturation_for_longer_than_three_liveness_windows_loses_nothing(local_pair):
+    cluster = C.load(local_pair.cluster_file)
+    sup, max_seqs = cluster.supervisor, cluster.serving.max_num_seqs
+    window = sup.liveness_interval_s + sup.liveness_timeout_s
+    head0 = local_pair.state("local-head")
+    t0 = time.monotonic()
+    results, threads = load(local_pair.api_url, 2 * max_seqs, t0 + 3 * window + 5, max_tokens=400)
+    seen_waiting, proofs = 0.0, set()
+    while any(t.is_alive() for t in threads):
+        assert time.monotonic() - t0 < 900, "the load did not finish"
+        head = local_pair.state("local-head")
+        assert head["state"] == "serving", head          # never declared dead while busy
+        assert local_pair.state("local-worker")["state"] == "serving"
+        proofs.add((head["liveness"] or {}).get("proof"))
+        seen_waiting = max(seen_waiting, metrics(local_pair.api_url).waiting)
+        time.sleep(1.0)
+    took = time.monotonic() - t0
+    assert took > 3 * window
+    assert seen_waiting > 0, "the queue never filled: not a saturation"
+    assert results and set(results) == {"ok"}, [r for r in results if r != "ok"][:5]
+    assert "progress" in proofs
+    head = local_pair.state("local-head")
+    assert head["vllm_pid"] == head0["vllm_pid"] and head["started_at"] == head0["started_at"]
+
+
+def vllm_group(pair, node: str) -> int:
+    return pair.state(node)["vllm_pid"]
+
+
+def wait_for_exit(pair, timeout: float) -> None:
+    """`dspark local up` leaves once a supervisor exits; wait for that and for no leftovers."""
+    pair.proc.wait(timeout=timeout)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = subprocess.run(["pgrep", "-f", str(pair.workdir / "model")], capture_output=True, text=True).stdout
+        if not left:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"vLLM processes left behind: {left}")
+
+
+def head_log(pair) -> str:
+    return (pair.workdir / "logs" / "local-head.log").read_text(errors="replace")
+
+
+def first_not_serving(pair, t_from: float, limit: float) -> float:
+    while time.monotonic() - t_from < limit:
+        try:
+            if pair.state("local-head")["state"] != "serving":
+                return time.monotonic() - t_from
+        except OSError:
+            return time.monotonic() - t_from
+        time.sleep(0.2)
+    raise AssertionError(f"the head still serves {limit} s later:\n{head_log(pair)[-3000:]}")
+
+
+def test_a_wedged_worker_is_a_stall_found_within_stall_s(fresh_pair):
+    pair = fresh_pair
+    sup = C.load(pair.cluster_file).supervisor
+    results, threads = load(pair.api_url, 8, time.monotonic() + 600, max_tokens=2000)
+    deadline = time.monotonic() + 60
+    while metrics(pair.api_url).running == 0:
+        assert time.monotonic() < deadline, "the load never ran"
+        time.sleep(0.2)
+    pgid = vllm_group(pair, "local-worker")
+    os.killpg(pgid, signal.SIGSTOP)  # every process of the worker's vLLM: the collective wedges
+    t_stop = time.monotonic()
+    try:
+        detected = first_not_serving(pair, t_stop, sup.stall_s + 60)
+    finally:
+        try:
+            os.killpg(pgid, signal.SIGCONT)  # the worker's supervisor sends it too; never leave it stopped
+        except ProcessLookupError:
+            pass
+    assert detected <= sup.stall_s + sup.liveness_interval_s + 2, detected
+    assert "engine stalled" in head_log(pair)
+    wait_for_exit(pair, 120)
+    logs = head_log(pair) + (pair.workdir / "logs" / "local-worker.log").read_text(errors="replace")
+    assert "pair broken" in logs or "is failed" in logs or "supervisor is gone" in logs
+
+
+def test_a_hung_idle_engine_is_caught_by_the_probe(fresh_pair):
+    pair = fresh_pair
+    sup = C.load(pair.cluster_file).supervisor
+    assert metrics(pair.api_url).running == 0
+    pgid = vllm_group(pair, "local-worker")
+    os.killpg(pgid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        detected = first_not_serving(pair, t_stop, 120)
+    finally:
+        try:
+            os.killpg(pgid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    # Two failed probes, each up to the timeout, one interval apart (plus the first wait).
+    assert detected <= sup.liveness_failures * (sup.liveness_interval_s + sup.liveness_timeout_s) + 5, detected
+    assert "probe failed (2/2)" in head_log(pair)
+    wait_for_exit(pair, 120)
