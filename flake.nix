@@ -7,35 +7,93 @@
     { self, nixpkgs }:
     let
       inherit (nixpkgs) lib;
-      eachSystem = f: lib.genAttrs [ "aarch64-linux" "x86_64-linux" ] (system: f system nixpkgs.legacyPackages.${system});
+      # The runtime carries NVIDIA's licences (torch, CUDA, cuDNN and NCCL wheels, the CUDA
+      # toolkit), which nixpkgs.legacyPackages refuses: the flake's own package set allows them.
+      # A NixOS host builds the runtime with its own pkgs and nixpkgs.config instead (see
+      # nixosModules.default).
+      pkgsFor =
+        system:
+        import nixpkgs {
+          inherit system;
+          config.allowUnfree = true;
+          overlays = [ self.overlays.default ];
+        };
+      eachSystem = f: lib.genAttrs [ "aarch64-linux" "x86_64-linux" ] (system: f system (pkgsFor system));
       # The runtime's wheels are resolved for the GB10 nodes only.
       runtimeSystems = [ "aarch64-linux" ];
+      template = import ./nix/template/hosts.nix;
     in
     {
+      overlays.default = final: _: {
+        dspark = final.callPackage ./nix/package.nix { };
+        dspark-runtime = final.callPackage ./nix/runtime.nix { };
+      };
+
       packages = eachSystem (
         system: pkgs:
-        rec {
-          dspark = pkgs.callPackage ./nix/package.nix { };
-          default = dspark;
+        {
+          inherit (pkgs) dspark;
+          default = pkgs.dspark;
         }
-        // lib.optionalAttrs (lib.elem system runtimeSystems) {
-          runtime = pkgs.callPackage ./nix/runtime.nix { };
+        // lib.optionalAttrs (lib.elem system runtimeSystems) { runtime = pkgs.dspark-runtime; }
+      );
+
+      apps = eachSystem (system: pkgs: pkgs.callPackage ./nix/apps.nix { inherit (pkgs) dspark; });
+
+      # The package (with its tests) and the module, evaluated for the example head and worker.
+      checks = eachSystem (
+        system: pkgs:
+        {
+          inherit (pkgs) dspark;
+        }
+        // lib.mapAttrs' (
+          name: _:
+          lib.nameValuePair "module-${name}" (
+            pkgs.callPackage ./nix/module-check.nix {
+              inherit name;
+              nixos = self.nixosConfigurations.${name};
+            }
+          )
+        ) template.hosts
+      );
+
+      formatter = eachSystem (_: pkgs: pkgs.nixfmt);
+
+      devShells = eachSystem (
+        _: pkgs: {
+          # Regenerate the runtime lock, replay its build, run the tests.
+          default = pkgs.mkShell {
+            packages = [
+              (pkgs.python312.withPackages (ps: [
+                ps.pip
+                ps.packaging
+                ps.uv
+              ]))
+              pkgs.nixfmt
+            ];
+          };
         }
       );
 
-      apps = eachSystem (system: pkgs: pkgs.callPackage ./nix/apps.nix { inherit (self.packages.${system}) dspark; });
+      nixosModules.default = import ./modules/default.nix;
 
-      checks = eachSystem (system: _: { inherit (self.packages.${system}) dspark; });
+      # The example pair (nix/template: `nix flake init -t`), evaluated by `nix flake check`.
+      nixosConfigurations = lib.mapAttrs (
+        name: host:
+        lib.nixosSystem {
+          system = "aarch64-linux";
+          modules = [
+            self.nixosModules.default
+            ./nix/template/dspark-cluster.nix
+            ./nix/template/example-hardware.nix
+            host
+          ];
+        }
+      ) template.hosts;
 
-      nixosModules.default =
-        { lib, pkgs, ... }:
-        let
-          packages = self.packages.${pkgs.stdenv.hostPlatform.system};
-        in
-        {
-          imports = [ ./modules/dspark.nix ];
-          services.dspark.package = lib.mkDefault packages.dspark;
-          services.dspark.runtimePackage = lib.mkDefault (packages.runtime or null);
-        };
+      templates.default = {
+        path = ./nix/template;
+        description = "Two GB10 hosts (head and worker) running dspark";
+      };
     };
 }

@@ -1,24 +1,53 @@
 # The GB10 runtime: CPython 3.12 with vLLM 0.28.0 (torch 2.13.0, CUDA 13), FlashInfer, b12x and
 # the rest of vLLM's closure, from the wheels pinned in runtime-lock.json, with the overlay/
 # patch series applied to vLLM's sources. aarch64-linux only: the lock is resolved for the nodes.
+#
+# How the wheels are installed (interpreter, installer flags, order, files removed, the nixpkgs
+# libraries added, the driver libraries left to the host, stripping) is data in
+# runtime-build.json, which nix/replay-runtime.py replays without nixpkgs: change it there.
 {
   lib,
+  pkgs,
   stdenv,
   fetchPypi,
-  python312,
   autoPatchelfHook,
   addDriverRunpath,
   makeWrapper,
-  zlib,
-  numactl,
-  rdma-core,
+  cudaPackages_13,
 }:
 let
   lock = lib.importJSON ./runtime-lock.json;
-  python = python312;
+  build = lib.importJSON ./runtime-build.json;
+  python = pkgs.${build.python};
   site = "lib/python${python.pythonVersion}/site-packages";
   vllm = lib.findFirst (p: p.name == "vllm") (throw "runtime-lock.json has no vllm") lock.packages;
   wheel = entry: fetchPypi (import ./wheel-source.nix entry);
+  fromPkgs = path: lib.getAttrFromPath (lib.splitString "." path) pkgs;
+  # glibc comes with stdenv; the others are added as buildInputs for autoPatchelf.
+  hostLibraries = map (l: fromPkgs l.attr) (lib.filter (l: !(l.in_stdenv or false)) build.host_libraries);
+  removals = lib.foldl' (acc: r: acc // { ${r.package} = (acc.${r.package} or [ ]) ++ r.paths; }) { } build.remove_after_install;
+  pyvenvCfg = lib.replaceStrings [ "@pythonBin@" "@pythonVersion@" ] [ "${python}/bin" python.version ] (
+    lib.concatLines build.pyvenv_cfg
+  );
+  installer = "${python.pkgs.installer}/${python.sitePackages}";
+  installWheel = p: ''
+    PYTHONPATH=${installer} "$out/bin/python" -m installer ${lib.escapeShellArgs build.installer_flags} --prefix "$out" ${wheel p}
+  '' + lib.concatMapStrings (rel: ''
+    rm -- "$out/${site}/${rel}"
+  '') (removals.${p.name} or [ ]);
+  # The JIT toolchain, in the closure: Triton builds its launchers with a C compiler, FlashInfer
+  # 0.6.16.post3 compiles its kernels with nvcc (CUDA 13, as torch's cu13 build) and the host
+  # compiler that release of nvcc supports.
+  cuda = cudaPackages_13.cudatoolkit;
+  cc = cudaPackages_13.backendStdenv.cc;
+  # Sourced by bin/vllm before Python starts: finds libcuda.so.1 and libnvidia-ml.so.1 on NixOS
+  # and on DGX OS, or says which file it looked for where and exits.
+  driverLibs = lib.escapeShellArgs [
+    "${./driver-libs.sh}"
+    (toString build.driver_libraries)
+    (toString build.driver_search_dirs)
+    (toString build.driver_library_globs)
+  ];
   # dspark's overlay applier (standard library only) and the patch series it applies.
   overlayTool = lib.fileset.toSource {
     root = ../src;
@@ -31,57 +60,51 @@ stdenv.mkDerivation {
   dontUnpack = true;
   dontConfigure = true;
   dontBuild = true;
+  # runtime-build.json's strip_why: strip misaligned the load segments of bundled aarch64 libraries.
+  dontStrip = !build.strip;
 
   nativeBuildInputs = [
     autoPatchelfHook
     makeWrapper
-    python.pkgs.installer
   ];
-  # What the wheels' shared objects link against beyond each other: libstdc++/libgcc_s,
-  # zlib, libnuma (vLLM, NCCL) and libibverbs/librdmacm (NCCL's IB transport over RoCE).
-  buildInputs = [
-    stdenv.cc.cc.lib
-    zlib
-    numactl
-    rdma-core
-  ];
-  # The NVIDIA driver's libraries come from the host at run time (/run/opengl-driver/lib on
-  # NixOS, see hardware.nvidia); they must not be resolved at build time.
-  autoPatchelfIgnoreMissingDeps = [
-    "libcuda.so.1"
-    "libnvidia-ml.so.1"
-  ];
+  buildInputs = hostLibraries;
+  autoPatchelfIgnoreMissingDeps = build.driver_libraries;
   appendRunpaths = [ "${addDriverRunpath.driverLink}/lib" ];
 
+  # A venv of the store's CPython (runtime-build.json's pyvenv_why): the entry points' shebangs
+  # name $out/bin/python, which reads the .pth files of $out's site-packages.
   installPhase = ''
     runHook preInstall
-    mkdir wheels
-    ${lib.concatMapStrings (p: ''
-      ln -s ${wheel p} wheels/${p.filename}
-    '') lock.packages}
-    for w in wheels/*.whl; do
-      ${python.interpreter} -m installer --prefix "$out" "$w"
-    done
-    PYTHONPATH=${overlayTool} ${python.interpreter} -m dspark.overlay apply "$out/${site}" \
+    mkdir -p "$out/bin"
+    ln -s ${python.interpreter} "$out/bin/python"
+    ln -s python "$out/bin/python3"
+    cat > "$out/pyvenv.cfg" <<'EOF'
+    ${pyvenvCfg}EOF
+    ${lib.concatMapStrings installWheel lock.packages}
+    PYTHONPATH=${overlayTool} "$out/bin/python" -m dspark.overlay apply "$out/${site}" \
       --overlay-dir ${../overlay}
     runHook postInstall
   '';
 
-  # Entry points run the store's CPython with the runtime's site-packages; triton finds libcuda
-  # through the driver link instead of ldconfig, which NixOS does not populate.
+  # The JIT caches go where the units point them (TRITON_CACHE_DIR, FLASHINFER_WORKSPACE_BASE,
+  # ... under CacheDirectory=, see src/dspark/units.py); the wrapper only adds the toolchain.
   postFixup = ''
     for prog in "$out"/bin/*; do
+      case "''${prog##*/}" in python | python3) continue ;; esac
+      [ -f "$prog" ] && [ -x "$prog" ] || continue
+      extra=()
+      if [ "''${prog##*/}" = vllm ]; then extra=(--run "source ${driverLibs}"); fi
       wrapProgram "$prog" \
-        --prefix PYTHONPATH : "$out/${site}" \
-        --set-default TRITON_LIBCUDA_PATH ${addDriverRunpath.driverLink}/lib
+        --prefix PATH : "$out/bin:${lib.makeBinPath [ cc cuda ]}" \
+        --set-default CUDA_HOME ${cuda} \
+        --set-default CC ${cc}/bin/cc \
+        --set-default CXX ${cc}/bin/c++ \
+        "''${extra[@]}"
     done
-    makeWrapper ${python.interpreter} "$out/bin/python" \
-      --prefix PYTHONPATH : "$out/${site}" \
-      --set-default TRITON_LIBCUDA_PATH ${addDriverRunpath.driverLink}/lib
   '';
 
   passthru = {
-    inherit python lock;
+    inherit python lock build cuda cc;
   };
 
   meta = {

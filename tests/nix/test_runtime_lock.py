@@ -34,6 +34,8 @@ def closure() -> tuple[set[str], list[str]]:
     while todo:
         req, wanted_by = todo.pop()
         name = canonicalize_name(req.name)
+        if name in LOCK.get("excluded", {}):
+            continue  # left out on purpose by nix/lock-runtime.py (EXCLUDED), with its reason
         pkg = PACKAGES.get(name)
         if pkg is None:
             faults.append(f"{wanted_by} requires {req}, which is not locked")
@@ -117,3 +119,19 @@ def test_fetch_arguments_rebuild_every_locked_file_name(nix_instantiate):
     assert [o["file"] for o in out] == [p["filename"] for p in LOCK["packages"]]
     assert [o["sha256"] for o in out] == [p["sha256"] for p in LOCK["packages"]]
     assert all(o["format"] == "wheel" and o["dist"] == o["python"] for o in out)
+
+
+def test_exclusions_are_applied_and_recorded():
+    """What nix/lock-runtime.py leaves out is out of the lock, with its reason, and re-applying
+    the exclusions to the lock changes nothing (the lock is what the generator writes)."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("lock_runtime", REPO / "nix/lock-runtime.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["lock_runtime"] = mod
+    spec.loader.exec_module(mod)
+    assert LOCK["excluded"] == mod.EXCLUDED and "torchcodec" in mod.EXCLUDED
+    assert not set(mod.EXCLUDED) & set(PACKAGES)
+    assert mod.apply_exclusions(LOCK) == LOCK
+    # vLLM does require it: the exclusion is a decision, not an accident of resolution.
+    assert any(r.startswith("torchcodec") for r in PACKAGES["vllm"]["requires_dist"])

@@ -1,0 +1,516 @@
+#!/usr/bin/env python3
+"""Replay nix/runtime.nix's build of the GB10 runtime without nixpkgs, and report what would stop it.
+
+    python3 nix/replay-runtime.py --cache ~/.cache/dspark/runtime-wheels    # about 4 GB the first time
+
+It reads what the Nix build reads (nix/runtime-lock.json, nix/runtime-build.json), then:
+1. fetches every locked wheel by name, version and sha256 into the cache directory (pip, with
+   --require-hashes, for the nodes' platform), and installer itself at the release nixpkgs has;
+2. makes the prefix a venv of this machine's Python, as runtime.nix does with the store's CPython,
+   and installs the wheels with `python -m installer` in the lock's order with the same flags,
+   removing what runtime-build.json removes after each package;
+3. reports: files two wheels both install (installer refuses to overwrite); every DT_NEEDED of
+   every ELF object that neither the prefix, nor the nixpkgs libraries runtime-build.json lists,
+   nor the named driver libraries provide (what autoPatchelf stops on); modules that are only
+   importable through a .pth file and that the prefix's interpreter does not put on sys.path;
+   objects whose load segments glibc would refuse, as installed or (when the build strips)
+   after `strip -S`.
+Exit status: 0 clean, 1 any problem above, 2 bad input (nothing fetched, a wrong hash, no tool).
+Standard library only; x86_64 or aarch64 host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+HERE = Path(__file__).resolve().parent
+LOCK = HERE / "runtime-lock.json"
+BUILD = HERE / "runtime-build.json"
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dspark" / "runtime-wheels"
+EM_AARCH64 = 183
+PAGE_SIZE = 4096  # the GB10 nodes' kernel (DGX OS, NixOS) uses 4 KiB pages; p_align is checked too
+
+
+class ReplayError(Exception):
+    """Bad input or a missing tool: reported as one line, exit status 2."""
+
+
+# ---------------------------------------------------------------- plan: the data the .nix files read
+
+@dataclass(frozen=True)
+class Wheel:
+    name: str
+    version: str
+    filename: str
+    sha256: str
+
+
+def load_plan(lock_path: Path = LOCK, build_path: Path = BUILD) -> tuple[list[Wheel], dict]:
+    """The wheels in the order runtime.nix installs them (the lock's order), and the build data."""
+    try:
+        lock = json.loads(lock_path.read_text())
+        build = json.loads(build_path.read_text())
+        wheels = [Wheel(p["name"], p["version"], p["filename"], p["sha256"]) for p in lock["packages"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ReplayError(f"cannot read {lock_path.name} / {build_path.name}: {e}") from e
+    return wheels, build
+
+
+def installer_wheel(build: dict) -> Wheel:
+    i = build["installer"]
+    return Wheel(i["name"], i["version"], i["filename"], i["sha256"])
+
+
+# ---------------------------------------------------------------- fetch
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pip_platform_args(lock: dict | None = None) -> list[str]:
+    """pip's target for the nodes: CPython 3.12, aarch64, manylinux up to glibc 2.39."""
+    args = ["--python-version", "3.12", "--implementation", "cp",
+            "--abi", "cp312", "--abi", "abi3", "--abi", "none"]
+    for minor in range(39, 16, -1):
+        args += ["--platform", f"manylinux_2_{minor}_aarch64"]
+    return args + ["--platform", "manylinux2014_aarch64", "--platform", "linux_aarch64"]
+
+
+def missing_from_cache(cache: Path, wheels: list[Wheel]) -> list[Wheel]:
+    missing = []
+    for w in wheels:
+        path = cache / w.filename
+        if not path.is_file():
+            missing.append(w)
+        elif sha256_of(path) != w.sha256:
+            raise ReplayError(f"{path}: sha256 is not the locked {w.sha256}; delete the file and run again")
+    return missing
+
+
+def fetch(cache: Path, wheels: list[Wheel], offline: bool, log=print) -> None:
+    """Every wheel into the cache, by name, version and hash (pip only accepts the locked file)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    missing = missing_from_cache(cache, wheels)
+    if not missing:
+        return
+    if offline:
+        raise ReplayError(f"{len(missing)} of {len(wheels)} wheels are not in {cache} "
+                          f"(first: {missing[0].filename}); run without --offline to fetch them")
+    log(f"fetching {len(missing)} wheels into {cache}")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as req:
+        for w in missing:
+            req.write(f"{w.name}=={w.version} --hash=sha256:{w.sha256}\n")
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--require-hashes", "--progress-bar", "off", "-d", str(cache), "-r", req.name,
+               *pip_platform_args()]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        os.unlink(req.name)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise ReplayError(f"pip download failed (is pip installed for {sys.executable}?):\n{tail}")
+    still = missing_from_cache(cache, wheels)
+    if still:
+        raise ReplayError(f"pip did not fetch {', '.join(w.filename for w in still)}")
+
+
+# ---------------------------------------------------------------- install, as runtime.nix does
+
+def wheel_destinations(path: Path) -> list[str]:
+    """Where installer puts a wheel's files, relative to the prefix ('site/...' for site-packages)."""
+    with zipfile.ZipFile(path) as z:
+        names = [n for n in z.namelist() if not n.endswith("/")]
+        entry_points = next((n for n in names if n.endswith(".dist-info/entry_points.txt")
+                             and n.count("/") == 1), None)
+        scripts: list[str] = []
+        if entry_points:
+            cp = configparser.ConfigParser(delimiters=("=",), interpolation=None)
+            cp.optionxform = str
+            cp.read_string(z.read(entry_points).decode())
+            for section in ("console_scripts", "gui_scripts"):
+                if cp.has_section(section):
+                    scripts += [f"bin/{k}" for k in cp[section]]
+    out = []
+    for n in names:
+        parts = PurePosixPath(n).parts
+        if parts[0].endswith(".data") and len(parts) > 2:
+            scheme, rest = parts[1], "/".join(parts[2:])
+            out.append({"purelib": "site/", "platlib": "site/", "scripts": "bin/", "data": "",
+                        "headers": "include/"}.get(scheme, f"{scheme}/") + rest)
+        else:
+            out.append("site/" + n)
+    return out + scripts
+
+
+def removals(build: dict) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for r in build.get("remove_after_install", []):
+        out.setdefault(r["package"], []).extend(r["paths"])
+    return out
+
+
+def find_clashes(wheels: list[Wheel], cache: Path, build: dict) -> list[str]:
+    """Files a later wheel would install where an earlier one already put one (after the removals)."""
+    owner: dict[str, str] = {}
+    remove = removals(build)
+    clashes = []
+    for w in wheels:
+        for dest in wheel_destinations(cache / w.filename):
+            if dest in owner and owner[dest] != w.name:
+                clashes.append(f"{dest.removeprefix('site/')}: installed by {owner[dest]} and {w.name}")
+            owner[dest] = w.name
+        for rel in remove.get(w.name, []):
+            owner.pop(f"site/{rel}", None)
+    return clashes
+
+
+def make_venv(prefix: Path, build: dict, python: str) -> Path:
+    """runtime.nix's prefix layout: bin/python a link to the interpreter, pyvenv.cfg beside bin/."""
+    (prefix / "bin").mkdir(parents=True, exist_ok=True)
+    real = Path(python).resolve()
+    (prefix / "bin" / "python").symlink_to(real)
+    version = subprocess.run([str(real), "-c", "import platform; print(platform.python_version())"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    text = "\n".join(build["pyvenv_cfg"]) + "\n"
+    text = text.replace("@pythonBin@", str(real.parent)).replace("@pythonVersion@", version)
+    (prefix / "pyvenv.cfg").write_text(text)
+    return prefix / "bin" / "python"
+
+
+def site_packages(prefix: Path) -> Path:
+    py = prefix / "bin" / "python"
+    out = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return Path(out)
+
+
+def install(prefix: Path, wheels: list[Wheel], cache: Path, build: dict, installer: Path,
+            python: str = sys.executable, log=print) -> list[str]:
+    """Install like runtime.nix's installPhase; returns the failures (installer's own errors)."""
+    py = make_venv(prefix, build, python)
+    env = dict(os.environ, PYTHONPATH=str(installer))
+    env.pop("PYTHONHOME", None)
+    remove = removals(build)
+    site = site_packages(prefix)
+    failures = []
+    for i, w in enumerate(wheels, 1):
+        cmd = [str(py), "-m", "installer", *build["installer_flags"], "--prefix", str(prefix),
+               str(cache / w.filename)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["exit status %d" % proc.returncode])[-1]
+            failures.append(f"{w.filename}: {last}")
+        for rel in remove.get(w.name, []):
+            target = site / rel
+            if not target.is_file():
+                failures.append(f"runtime-build.json removes {rel} after {w.name}, which it does not install")
+            else:
+                target.unlink()
+        if i % 25 == 0:
+            log(f"  installed {i}/{len(wheels)}")
+    return failures
+
+
+# ---------------------------------------------------------------- ELF objects
+
+@dataclass
+class Elf:
+    path: Path
+    machine: int
+    type: int
+    needed: list[str] = field(default_factory=list)
+    soname: str | None = None
+    loads: list[tuple[int, int, int]] = field(default_factory=list)  # (p_offset, p_vaddr, p_align)
+
+
+def read_elf(path: Path) -> Elf | None:
+    """The header, PT_LOAD segments and dynamic section of an ELF file (None if not ELF)."""
+    with path.open("rb") as f:
+        ident = f.read(16)
+        if len(ident) < 16 or ident[:4] != b"\x7fELF":
+            return None
+        is64, end = ident[4] == 2, "<" if ident[5] == 1 else ">"
+        hdr = f.read(48 if is64 else 36)
+        try:
+            if is64:
+                (etype, machine, _, _, phoff, _, _, _, phentsize, phnum) = struct.unpack(end + "HHIQQQIHHH", hdr[:42])
+            else:
+                (etype, machine, _, _, phoff, _, _, _, phentsize, phnum) = struct.unpack(end + "HHIIIIIHHH", hdr[:30])
+            elf = Elf(path, machine, etype)
+            f.seek(phoff)
+            phdrs = f.read(phentsize * phnum)
+            dynamic = None
+            segs = []
+            for i in range(phnum):
+                raw = phdrs[i * phentsize:(i + 1) * phentsize]
+                if is64:
+                    p_type, _, off, vaddr, _, filesz, _, align = struct.unpack(end + "IIQQQQQQ", raw[:56])
+                else:
+                    p_type, off, vaddr, _, filesz, _, _, align = struct.unpack(end + "IIIIIIII", raw[:32])
+                segs.append((p_type, off, vaddr, filesz))
+                if p_type == 1:
+                    elf.loads.append((off, vaddr, align))
+                elif p_type == 2:
+                    dynamic = (off, filesz)
+            if dynamic is None:
+                return elf
+            f.seek(dynamic[0])
+            data = f.read(dynamic[1])
+            size = 16 if is64 else 8
+            entries = [struct.unpack(end + ("qQ" if is64 else "iI"), data[i:i + size])
+                       for i in range(0, len(data) - size + 1, size)]
+            strtab_vaddr = next((v for t, v in entries if t == 5), None)
+            if strtab_vaddr is None:
+                return elf
+            # DT_STRTAB is an address: map it to a file offset through the segment holding it.
+            strtab_off = next((off + strtab_vaddr - vaddr for t, off, vaddr, sz in segs
+                               if t == 1 and vaddr <= strtab_vaddr < vaddr + sz), strtab_vaddr)
+
+            def string(offset: int) -> str:
+                f.seek(strtab_off + offset)
+                buf = f.read(4096)
+                return buf.split(b"\0", 1)[0].decode(errors="replace")
+
+            for tag, val in entries:
+                if tag == 0:
+                    break
+                if tag == 1:
+                    elf.needed.append(string(val))
+                elif tag == 14:
+                    elf.soname = string(val)
+            return elf
+        except struct.error:
+            return None
+
+
+def elf_objects(prefix: Path) -> list[Elf]:
+    out = []
+    for root, _, files in os.walk(prefix):
+        for name in files:
+            p = Path(root) / name
+            if p.is_symlink() or not p.is_file():
+                continue
+            elf = read_elf(p)
+            if elf is not None:
+                out.append(elf)
+    return out
+
+
+def provided_by_build(build: dict) -> dict[str, str]:
+    """Library name -> what provides it, besides the prefix: the nixpkgs libraries and the driver."""
+    out = {}
+    for lib in build["host_libraries"]:
+        for so in lib["sonames"]:
+            out[so] = f"nixpkgs {lib['attr']}"
+    for so in build["driver_libraries"]:
+        out[so] = "the NVIDIA driver (host)"
+    return out
+
+
+def unresolved_needed(elves: list[Elf], prefix: Path, build: dict) -> list[str]:
+    """DT_NEEDED entries autoPatchelf could not resolve: it searches every shared object of the
+    output by file name (same machine), the buildInputs' lib/ and ignores the named driver libraries."""
+    in_prefix = {e.path.name for e in elves if ".so" in e.path.name and e.machine == EM_AARCH64}
+    # Links to objects (libfoo.so.1 -> libfoo.so.1.2.3) count by their own name too.
+    for root, _, files in os.walk(prefix):
+        for name in files:
+            p = Path(root) / name
+            if ".so" in name and p.is_symlink() and p.exists():
+                in_prefix.add(name)
+    known = provided_by_build(build)
+    out = []
+    for e in elves:
+        if e.type not in (2, 3):  # executables and shared objects only, as autoPatchelf
+            continue
+        if e.machine != EM_AARCH64:
+            out.append(f"{e.path.relative_to(prefix)}: not an aarch64 object (e_machine {e.machine})")
+            continue
+        for lib in e.needed:
+            if lib not in in_prefix and lib not in known:
+                out.append(f"{e.path.relative_to(prefix)}: {lib}")
+    return out
+
+
+def misaligned(elf: Elf) -> str | None:
+    """glibc's checks on PT_LOAD (dl-load.c): alignment a power of two and page-aligned, and
+    p_vaddr ≡ p_offset modulo it."""
+    for off, vaddr, align in elf.loads:
+        if align > 1 and (align & (align - 1) or align % PAGE_SIZE):
+            return f"load segment alignment {align:#x} is not page-aligned"
+        if align > 1 and (vaddr - off) % align:
+            return f"load segment at offset {off:#x} / address {vaddr:#x} is not aligned to {align:#x}"
+        if (vaddr - off) % PAGE_SIZE:
+            return f"load segment at offset {off:#x} / address {vaddr:#x} is not page-aligned"
+    return None
+
+
+def strip_tool() -> str | None:
+    for name in (os.environ.get("STRIP"), "aarch64-linux-gnu-strip"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    if os.uname().machine == "aarch64":
+        return shutil.which("strip")
+    return None
+
+
+def strip_breaks(elves: list[Elf], prefix: Path, build: dict, strip: str | None = None) -> list[str]:
+    """Objects glibc would refuse to load: as installed, and after `strip -S` when the build strips."""
+    out = []
+    for e in elves:
+        if e.type == 3 and (why := misaligned(e)):
+            out.append(f"{e.path.relative_to(prefix)}: {why} (as installed)")
+    if not build["strip"]:
+        return out
+    strip = strip or strip_tool()
+    if strip is None:
+        raise ReplayError("runtime-build.json says the build strips, but no aarch64 strip was found "
+                          "(apt-get install binutils-aarch64-linux-gnu, or set STRIP)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for e in elves:
+            if e.type != 3 or e.machine != EM_AARCH64:
+                continue
+            copy = Path(tmp) / "obj"
+            shutil.copyfile(e.path, copy)
+            if subprocess.run([strip, "-S", str(copy)], capture_output=True).returncode != 0:
+                continue  # nixpkgs' stripHook ignores objects strip cannot handle
+            after = read_elf(copy)
+            if after is not None and (why := misaligned(after)):
+                out.append(f"{e.path.relative_to(prefix)}: {why} after strip -S")
+    return out
+
+
+# ---------------------------------------------------------------- .pth files
+
+def pth_paths(site: Path, python: Path) -> dict[str, list[Path]]:
+    """Each .pth file in site-packages and the directories it adds to sys.path, as site.py would
+    process it (its `import` lines run: nvidia_cutlass_dsl_packages.pth computes its directory)."""
+    code = ("import json, site, sys; site_dir, name = sys.argv[1:]; sys.path.insert(0, site_dir); "
+            "before = set(sys.path); site.addpackage(site_dir, name, None); "
+            "print(json.dumps([p for p in sys.path if p not in before]))")
+    out = {}
+    for pth in sorted(site.glob("*.pth")):
+        proc = subprocess.run([str(python), "-S", "-c", code, str(site), pth.name],
+                              capture_output=True, text=True, env={"PATH": os.environ.get("PATH", "")})
+        if proc.returncode != 0:
+            raise ReplayError(f"{pth.name}: site.py could not process it: {proc.stderr.strip()[-300:]}")
+        out[pth.name] = [Path(d).resolve() for d in json.loads(proc.stdout.strip().splitlines()[-1])
+                         if Path(d).is_dir()]
+    return out
+
+
+def pth_imports(site: Path, python: Path, env: dict[str, str] | None = None) -> list[str]:
+    """Top-level modules that exist only in a .pth file's directory and that `python` (as the
+    runtime starts it) does not put on sys.path."""
+    env = dict(os.environ if env is None else env)
+    proc = subprocess.run([str(python), "-c", "import json, sys; print(json.dumps(sys.path))"],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ReplayError(f"{python} does not start: {proc.stderr.strip()[-300:]}")
+    on_path = {str(Path(p).resolve()) for p in json.loads(proc.stdout) if p}
+    out = []
+    for pth, dirs in pth_paths(site, python).items():
+        for d in dirs:
+            if str(d) in on_path:
+                continue
+            mods = sorted(p.name.split(".")[0] for p in d.iterdir()
+                          if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix in (".py", ".so"))
+            out.append(f"{pth}: {d} ({', '.join(mods) or 'no modules'}) is not on sys.path, "
+                       f"so `import {mods[0] if mods else '...'}` fails")
+    return out
+
+
+# ---------------------------------------------------------------- the replay
+
+@dataclass
+class Report:
+    wheels: int = 0
+    elf_objects: int = 0
+    clashes: list[str] = field(default_factory=list)
+    install_errors: list[str] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
+    pth_imports: list[str] = field(default_factory=list)
+    load_failures: list[str] = field(default_factory=list)
+
+    SECTIONS = (("clashes", "file clashes"), ("install_errors", "installer errors"),
+                ("unresolved", "unresolved DT_NEEDED"), ("pth_imports", "imports depending on .pth files"),
+                ("load_failures", "objects glibc would refuse (stripping)"))
+
+    @property
+    def ok(self) -> bool:
+        return not any(getattr(self, k) for k, _ in self.SECTIONS)
+
+    def text(self) -> str:
+        lines = [f"replayed {self.wheels} wheels, {self.elf_objects} ELF objects"]
+        for key, title in self.SECTIONS:
+            items = getattr(self, key)
+            lines.append(f"{title}: {len(items)}")
+            lines += [f"  {i}" for i in items]
+        lines.append("OK" if self.ok else "FAILED")
+        return "\n".join(lines)
+
+
+def replay(cache: Path, prefix: Path, offline: bool = False, python: str = sys.executable,
+           lock_path: Path = LOCK, build_path: Path = BUILD, log=print) -> Report:
+    wheels, build = load_plan(lock_path, build_path)
+    inst = installer_wheel(build)
+    fetch(cache, [*wheels, inst], offline, log)
+    report = Report(wheels=len(wheels))
+    report.clashes = find_clashes(wheels, cache, build)
+    log(f"installing {len(wheels)} wheels into {prefix}")
+    report.install_errors = install(prefix, wheels, cache, build, cache / inst.filename, python, log)
+    elves = elf_objects(prefix)
+    report.elf_objects = len(elves)
+    report.unresolved = unresolved_needed(elves, prefix, build)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    report.pth_imports = pth_imports(site_packages(prefix), prefix / "bin" / "python", env)
+    report.load_failures = strip_breaks(elves, prefix, build)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
+                    help=f"wheel cache directory (default {DEFAULT_CACHE})")
+    ap.add_argument("--prefix", type=Path, help="install here and keep it (default: a temporary directory)")
+    ap.add_argument("--offline", action="store_true", help="fail instead of fetching what is not cached")
+    ap.add_argument("--json", type=Path, help="also write the report as JSON")
+    args = ap.parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        if args.prefix is not None:
+            if args.prefix.exists() and any(args.prefix.iterdir()):
+                raise ReplayError(f"--prefix {args.prefix} is not empty")
+            report = replay(args.cache, args.prefix, args.offline, log=log)
+        else:
+            with tempfile.TemporaryDirectory(prefix="dspark-replay-") as tmp:
+                report = replay(args.cache, Path(tmp) / "runtime", args.offline, log=log)
+    except ReplayError as e:
+        print(f"replay-runtime: {e}", file=sys.stderr)
+        return 2
+    print(report.text())
+    if args.json:
+        data = {k: getattr(report, k) for k in ("wheels", "elf_objects", *(k for k, _ in Report.SECTIONS))}
+        args.json.write_text(json.dumps(dict(data, ok=report.ok), indent=1) + "\n")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
