@@ -26,6 +26,9 @@ PATCHED_MODULES = (
     "vllm.model_executor.layers.fused_moe.oracle.mxfp4",
     "vllm.model_executor.layers.fused_moe.experts.b12x_mxfp4_moe",
     "vllm.model_executor.warmup.kernel_warmup",
+    "vllm.model_executor.warmup.b12x_warmup",
+    "vllm.model_executor.layers.fused_moe.oracle.nvfp4",
+    "vllm.model_executor.layers.quantization.mxfp4",
     "vllm.v1.worker.gpu.warmup",
     "vllm.v1.worker.gpu.spec_decode.dspark.speculator",
 )
@@ -223,7 +226,8 @@ def check_b12x_backend(site: Path) -> None:
     assert E._supports_quant_scheme(kMxfp4Static, None)
     assert not E._supports_quant_scheme(kNvfp4Static, None)
     assert E._supports_activation(MoEActivation.SILU)
-    assert E._supports_activation(MoEActivation.SWIGLUOAI)
+    # b12x has no interleaved (gpt-oss) SwiGLU-OAI; DeepSeek V4 is SiLU with a clamp.
+    assert not E._supports_activation(MoEActivation.SWIGLUOAI)
     assert not E._supports_activation(MoEActivation.GELU)
     assert E._supports_routing_method(RoutingMethodType.DeepseekV4, kMxfp4Static, None)
     assert not E._supports_routing_method(RoutingMethodType.Renormalize, kMxfp4Static, None)
@@ -240,7 +244,7 @@ def check_b12x_env(site: Path) -> None:
     assert (o.blocks_per_sm, o.max_m, o.tile_k, o.tile_n, o.cta_threads) == (2, 16, 128, 64, 256)
     assert o.applies_to(16) and not o.applies_to(17)
     for bad in ({m.B12X_FORCE_TILE_CONFIG: "128,64"}, {m.B12X_FORCE_BLOCKS_MAX_M: "0"},
-                {m.B12X_FORCE_BLOCKS_PER_SM: "x"}):
+                {m.B12X_FORCE_BLOCKS_PER_SM: "x"}, {m.B12X_FORCE_BLOCKS_PER_SM: "-1"}):
         try:
             m.read_small_m_override(bad)
         except ValueError:

@@ -81,18 +81,6 @@ def check_head_ladder(m, device: str) -> None:
     _raises(ValueError, lambda: m.pad_q_heads(129), "129")
 
 
-def check_route_pack(m, device: str) -> None:
-    assert m.route_pack_capacities(8192) == [2**i for i in range(14)]
-    assert m.route_pack_capacities(8000) == [2**i for i in range(14)]
-    assert m.route_pack_capacities(8193)[-1] == 16384
-    assert m.route_pack_capacities(1) == [1]
-    assert m.route_pack_live_counts(1) == (1,)
-    assert m.route_pack_live_counts(2) == (2,)
-    assert m.route_pack_live_counts(4) == (4, 3)
-    plan = m.route_pack_plan(8)
-    assert plan == [(1, 1), (2, 2), (4, 4), (4, 3), (8, 8), (8, 7)]
-
-
 def check_q_len_snapping(m, device: str) -> None:
     on = [m.align_decode_q_len(q, sm12x=True) for q in range(0, 40)]
     assert on[1] == 1 and on[2] == 6 and on[3] == 6 and on[4] == 4 and on[5] == 6
@@ -128,7 +116,6 @@ CHECKS = {
     "page_views": check_page_views,
     "index_padding": check_index_padding,
     "head_ladder": check_head_ladder,
-    "route_pack": check_route_pack,
     "q_len_snapping": check_q_len_snapping,
     "page_accounting": check_page_accounting,
 }
