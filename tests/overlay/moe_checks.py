@@ -261,6 +261,29 @@ def check_small_m_override(site: Path) -> None:
     assert not off.active and off.blocks_per_sm is None
     on = m.read_small_m_override({m.B12X_FORCE_BLOCKS_PER_SM: "2"})
     assert on.active and on.applies_to(16) and not on.applies_to(17)
+    # The installer wraps b12x's W4A16 tile selector (its real keyword-only signature).
+    import types
+
+    import b12x_contract as contract
+
+    sig = contract.function_signature("b12x.moe._shared.kernels.w4a16.kernel",
+                                      "_select_tile_config")
+
+    def select(*args, **kwargs):
+        sig.bind(*args, **kwargs)
+        return (128, 64, 128, 1)
+
+    mod = types.SimpleNamespace(_select_tile_config=select)
+    assert not m.install_small_m_override(mod, off) and mod._select_tile_config is select
+    tiled = m.read_small_m_override({m.B12X_FORCE_BLOCKS_PER_SM: "3",
+                                     m.B12X_FORCE_TILE_CONFIG: "256,32,256"})
+    assert m.install_small_m_override(mod, tiled)
+    assert m.install_small_m_override(mod, tiled)  # idempotent: wraps the original once
+    args = dict(problem_n=2048, problem_k=4096, top_k=6, moe_block_size=16, sms=48,
+                max_shared_mem=99 * 1024)
+    assert mod._select_tile_config(problem_m=8, **args) == (256, 32, 256, 3)
+    assert mod._select_tile_config(problem_m=17, **args) == (128, 64, 128, 1)
+    assert mod._select_tile_config(problem_m=8, required_cta_threads=128, **args) == (128, 64, 128, 3)
     try:
         m.read_small_m_override({m.B12X_FORCE_BLOCKS_PER_SM: "-1"})
     except ValueError as e:

@@ -81,6 +81,31 @@ def check_head_ladder(m, device: str) -> None:
     _raises(ValueError, lambda: m.pad_q_heads(129), "129")
 
 
+def check_b12x_scratch(m, device: str) -> None:
+    # b12x's uint8 scratch carved from an activation-dtype workspace: same storage, no copy.
+    nbytes = 12_345
+    elems = m.b12x_scratch_elements(nbytes, torch.bfloat16.itemsize)
+    assert elems == 6173 and m.b12x_scratch_elements(0, 2) == 1
+    ws = torch.zeros(elems, dtype=torch.bfloat16, device=device)
+    scratch = m.b12x_scratch_view(ws, nbytes)
+    assert scratch.dtype == torch.uint8 and scratch.shape == (nbytes,)
+    assert scratch.data_ptr() == ws.data_ptr() and scratch.device == ws.device
+    scratch.fill_(0xFF)
+    assert torch.isnan(ws[: nbytes // 2].float()).all()  # bf16 0xFFFF is NaN: one storage
+    for bad in (ws[::2], None):
+        try:
+            m.b12x_scratch_view(bad, 8)
+        except ValueError:
+            continue
+        raise AssertionError("a strided / missing workspace was accepted")
+    try:
+        m.b12x_scratch_view(ws, 2 * elems + 1)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a too-small workspace was accepted")
+
+
 def check_q_len_snapping(m, device: str) -> None:
     on = [m.align_decode_q_len(q, sm12x=True) for q in range(0, 40)]
     assert on[1] == 1 and on[2] == 6 and on[3] == 6 and on[4] == 4 and on[5] == 6
@@ -116,6 +141,7 @@ CHECKS = {
     "page_views": check_page_views,
     "index_padding": check_index_padding,
     "head_ladder": check_head_ladder,
+    "b12x_scratch": check_b12x_scratch,
     "q_len_snapping": check_q_len_snapping,
     "page_accounting": check_page_accounting,
 }

@@ -1,0 +1,446 @@
+"""DeepSeek V4's KV layout and sparse indices through vLLM's own code, checked
+against what FlashInfer's SM120 sparse-MLA path dispatches.
+
+Run in a subprocess whose PYTHONPATH puts a (patched or stock) vLLM 0.28.0
+tree first: ``python kv_layout_checks.py SITE [DTYPE,...]``. It prints one JSON object,
+case name -> "ok" or the failure's text.
+
+For each max_model_len (4,096, 131,072, 350,000, 1,048,576) it builds a real
+VllmConfig from tests/fixtures/deepseek-v4-flash-config.json (TP=2's 32 query
+heads per rank, the template's 12 sequences, 8,192 batched tokens, block 256,
+the cache dtype under test), simulates the SM12x capability family, and then
+runs vLLM's own code: the DeepSeek V4 cache layers of every target layer and
+of DSpark's three draft layers produce their KV-cache specs; vLLM groups them,
+unifies them and plans the packed per-block layout (get_kv_cache_configs); its
+model runner creates the metadata builders (init_attn_backend) and allocates
+and reshapes the caches (init_kv_cache). The SM120 attention class's own
+_forward_decode / _forward_prefill are then called with index tensors of the
+widths the builders allocated (only the Triton index builders, which cannot
+run on a CPU, are replaced by row-preserving stand-ins), and the FlashInfer
+entry point is replaced by a recorder that refuses every call the locked
+FlashInfer would refuse (flashinfer_facts.py, read from its sources).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import flashinfer_facts  # noqa: E402
+
+FIXTURE = HERE.parents[0] / "fixtures" / "deepseek-v4-flash-config.json"
+MAX_MODEL_LENS = (4096, 131072, 350000, 1048576)
+HEADS_PER_RANK = 32  # 64 heads at TP=2
+MAX_NUM_SEQS = 12
+MAX_BATCHED = 8192
+BLOCK_SIZE = 256
+NUM_SPEC = 5  # DSpark k=5 (the template)
+NUM_BLOCKS = 6  # small on purpose: the layout, not the capacity, is checked
+
+
+def _simulate_sm12x() -> None:
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    cls = type(current_platform)
+    cls.is_device_capability_family = staticmethod(lambda family: family == 120)
+    cls.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(12, 1))
+
+
+def _config(model_dir: str, cache_dtype: str, max_model_len: int):
+    from vllm.config import (
+        CacheConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model = ModelConfig(model=model_dir, max_model_len=max_model_len,
+                        skip_tokenizer_init=True, dtype="bfloat16")
+    cache = CacheConfig(cache_dtype=cache_dtype, block_size=BLOCK_SIZE,
+                        num_gpu_blocks_override=NUM_BLOCKS)
+    sched = SchedulerConfig(max_num_batched_tokens=MAX_BATCHED, max_num_seqs=MAX_NUM_SEQS,
+                            max_model_len=max_model_len, is_encoder_decoder=False)
+    vc = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
+    # The CPU platform rewrites the block size for its own kernels; on the GB10
+    # nodes --block-size 256 stands (the DSv4 backends take only 256).
+    vc.cache_config.block_size = BLOCK_SIZE
+    vc.scheduler_config.max_num_batched_tokens = MAX_BATCHED
+    # DSpark k=5 as the template runs it; only the fields the DSv4 SWA builder
+    # and the SM120 attention class read (the draft shares the target config).
+    vc.speculative_config = SimpleNamespace(
+        num_speculative_tokens=NUM_SPEC, parallel_drafting=False,
+        use_dspark=lambda: True, use_multi_module_mtp=lambda: False,
+        use_eagle=lambda: False, uses_draft_model=lambda: False,
+        draft_model_config=model,
+    )
+    return vc
+
+
+class Layers:
+    """The DeepSeek V4 cache layers of one rank, built by their own classes."""
+
+    def __init__(self, vc):
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.models.deepseek_v4 import attention as attn_mod
+        from vllm.models.deepseek_v4.compressor import CompressorStateCache
+        from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
+            DeepseekV4FlashInferSM120Attention as A,
+        )
+        from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+
+        hf = vc.model_config.hf_config
+        self.vc = vc
+        self.attn: dict[str, A] = {}
+        ctx = vc.compilation_config.static_forward_context
+        n = len(hf.compress_ratios)  # target layers, MTP and DSpark draft layers
+        self.topk_indices_buffer = torch.full(
+            (MAX_BATCHED, hf.index_topk), -1, dtype=torch.int32)
+        with set_current_vllm_config(vc):
+            for i in range(n):
+                if i == hf.num_hidden_layers:
+                    continue  # the MTP layer is not served with DSpark
+                prefix = f"model.layers.{i}.attn"
+                layer = object.__new__(A)
+                torch.nn.Module.__init__(layer)
+                layer.prefix = prefix
+                layer.layer_id = i
+                layer.compress_ratio = max(1, hf.compress_ratios[i])
+                layer.head_dim = hf.head_dim
+                layer.window_size = hf.sliding_window
+                layer.n_local_heads = HEADS_PER_RANK
+                layer.padded_heads = A.get_padded_num_q_heads(HEADS_PER_RANK)
+                layer.scale = hf.head_dim ** -0.5
+                layer.attn_sink = torch.zeros(layer.padded_heads, dtype=torch.float32)
+                layer.eager_scratch_pool = None
+                layer.topk_indices_buffer = self.topk_indices_buffer
+                layer.kv_cache_dtype, layer.kv_cache_torch_dtype = (
+                    attn_mod._resolve_dsv4_kv_cache_dtype(
+                        A.use_fp8_ds_mla_layout, vc.cache_config.cache_dtype,
+                        vc.cache_config))
+                layer.kv_cache = torch.tensor([])
+                layer.swa_cache_layer = DeepseekV4SWACache(
+                    head_dim=hf.head_dim, window_size=hf.sliding_window,
+                    dtype=layer.kv_cache_torch_dtype, prefix=f"{prefix}.swa_cache",
+                    cache_config=vc.cache_config, backend_cls=A.swa_backend_cls)
+                ctx[prefix] = layer
+                self.attn[prefix] = layer
+                ratio = layer.compress_ratio
+                if ratio > 1:
+                    coff = 1 + (ratio == 4)
+                    CompressorStateCache(
+                        state_dim=2 * coff * hf.head_dim, dtype=torch.float32,
+                        compress_ratio=ratio, prefix=f"{prefix}.compressor.state_cache")
+                if ratio == 4:
+                    quant_block = 128
+                    attn_mod.DeepseekV4IndexerCache(
+                        head_dim=hf.index_head_dim + hf.index_head_dim // quant_block * 4,
+                        dtype=torch.uint8, prefix=f"{prefix}.indexer.k_cache",
+                        cache_config=vc.cache_config, compress_ratio=ratio)
+                    CompressorStateCache(
+                        state_dim=2 * 2 * hf.index_head_dim, dtype=torch.float32,
+                        compress_ratio=ratio,
+                        prefix=f"{prefix}.indexer.compressor.state_cache")
+
+    def plan(self):
+        """vLLM's own spec collection, grouping, packing, builders, allocation."""
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.core.kv_cache_utils import (
+            get_kv_cache_config_from_groups,
+            get_kv_cache_groups,
+        )
+        from vllm.v1.worker.gpu import attn_utils
+
+        vc = self.vc
+        specs = attn_utils.get_kv_cache_spec(vc)
+        # get_kv_cache_configs minus its admission check (the whole model's KV
+        # at full length does not fit a test machine): the same grouping and
+        # packed planning, clamped to NUM_BLOCKS blocks by the override.
+        groups = get_kv_cache_groups(vc, specs)
+        config = get_kv_cache_config_from_groups(vc, groups, 1 << 40)
+        with set_current_vllm_config(vc):
+            groups, _, kernel_block_sizes = attn_utils.init_attn_backend(
+                config, vc, torch.device("cpu"))
+            caches = attn_utils.init_kv_cache(
+                [], vc.compilation_config.static_forward_context, config, groups,
+                torch.device("cpu"), vc.cache_config.cache_dtype, kernel_block_sizes, vc)
+        self.specs, self.config, self.groups, self.caches = specs, config, groups, caches
+        self.builders = {
+            name: group.get_metadata_builder(0)
+            for gs in groups for group in gs for name in group.layer_names
+        }
+        return self
+
+
+# --------------------------------------------------------------------------
+# Checks of the layout
+# --------------------------------------------------------------------------
+
+
+def check_pages_and_strides(layers: Layers, fi) -> list[str]:
+    """Every cache FlashInfer reads: the page geometry its kernels take."""
+    problems = []
+    offsets = {n: t.offset for t in layers.config.kv_cache_tensors for n in t.shared_by}
+    for prefix, layer in layers.attn.items():
+        reads = {"swa": (layer.swa_cache_layer.kv_cache, 64)}
+        if layer.compress_ratio > 1:
+            reads["compressed"] = (layer.kv_cache, BLOCK_SIZE // layer.compress_ratio)
+        for what, (cache, index_page_tokens) in reads.items():
+            where = f"{prefix} {what} cache {tuple(cache.shape)} strides {cache.stride()}"
+            paged = layer._as_sparse_cache(cache)
+            if hasattr(layer, "_sparse_cache"):
+                paged = layer._sparse_cache(cache)
+            if paged.data_ptr() != cache.data_ptr():
+                problems.append(f"{where}: the view handed to FlashInfer moved")
+            if paged.dim() != 4 or paged.shape[2] != 1 or paged.shape[-1] != fi.bytes_per_token:
+                problems.append(f"{where}: not NHD [pages, tokens, 1, {fi.bytes_per_token}]")
+                continue
+            pbs = paged.shape[1]
+            # The index builders address slots as block * page_tokens + offset.
+            if pbs != index_page_tokens:
+                problems.append(f"{where}: {pbs}-token pages, indices use {index_page_tokens}")
+            if paged.stride(-1) != 1 or paged.stride(1) != fi.bytes_per_token:
+                problems.append(f"{where}: tokens are not packed {fi.bytes_per_token}-byte rows")
+            if paged.stride(0) < pbs * fi.bytes_per_token:
+                problems.append(f"{where}: block stride below one page")
+            # Byte offset of this layer's page inside vLLM's packed block.
+            owner = layer.swa_cache_layer.prefix if what == "swa" else prefix
+            offset = offsets[owner]
+            for name, value in (("block stride", paged.stride(0)), ("page offset", offset)):
+                if value % flashinfer_facts.BULK_COPY_ALIGNMENT:
+                    problems.append(
+                        f"{where}: {name} {value} B is not a multiple of "
+                        f"{flashinfer_facts.BULK_COPY_ALIGNMENT} (cp.async.bulk)")
+    return problems
+
+
+def check_group_pages_disjoint(layers: Layers) -> list[str]:
+    """Within a KV-cache group, two layers' pages of one block never overlap."""
+    problems = []
+    tensors = {n: t for t in layers.config.kv_cache_tensors for n in t.shared_by}
+    for group in layers.config.kv_cache_groups:
+        spans = []
+        for name in group.layer_names:
+            t = tensors[name]
+            spec = layers.specs[name]
+            spans.append((t.offset, t.offset + spec.page_size_bytes, name))
+        spans.sort()
+        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+            if b0 < a1:
+                problems.append(f"{an} [{a0},{a1}) overlaps {bn} [{b0},{b1})")
+    return problems
+
+
+# --------------------------------------------------------------------------
+# Sparse-index widths through the SM120 attention class
+# --------------------------------------------------------------------------
+
+
+class Recorder:
+    """Stands in for flashinfer.decode.trtllm_batch_decode_sparse_mla_dsv4 on
+    SM120: checks every argument as FlashInfer's SM120 path does and records
+    what would have been dispatched."""
+
+    def __init__(self, fi):
+        self.fi = fi
+        self.calls: list[dict] = []
+        self.refusals: list[str] = []
+
+    def __call__(self, *, query, swa_kv_cache, workspace_buffer, sparse_indices,
+                 compressed_kv_cache=None, out=None, bmm1_scale=1.0, sinks=None,
+                 kv_layout="HND", swa_topk_lens=None, extra_sparse_indices=None,
+                 extra_sparse_topk_lens=None, **unused):
+        import torch
+
+        def dense(idx, name):
+            rows = idx.reshape(-1, idx.shape[-1])
+            if idx.dtype != torch.int32 or idx.stride(-1) != 1 or (
+                    rows.shape[0] > 1 and idx.stride(0) != idx.shape[-1]):
+                self.refusals.append(f"{name} {tuple(idx.shape)} {idx.stride()} {idx.dtype}")
+
+        assert query.dim() == 3 and query.dtype == torch.bfloat16, query.shape
+        assert kv_layout == "NHD" and swa_topk_lens is not None
+        tokens, heads = query.shape[0], query.shape[1]
+        assert sparse_indices.shape[0] == tokens, (sparse_indices.shape, tokens)
+        dense(sparse_indices, "sparse_indices")
+        extra_topk = extra_pages = None
+        if extra_sparse_indices is not None:
+            assert extra_sparse_indices.shape[0] == tokens
+            dense(extra_sparse_indices, "extra_sparse_indices")
+            extra_topk = extra_sparse_indices.shape[-1]
+            extra_pages = compressed_kv_cache.shape[1]
+        call = dict(tokens=tokens, heads=heads, topk=sparse_indices.shape[-1],
+                    page_tokens=swa_kv_cache.shape[1], extra_topk=extra_topk,
+                    extra_page_tokens=extra_pages)
+        self.calls.append(call)
+        why = self.fi.refusal(**call)
+        if why:
+            self.refusals.append(why)
+        return out
+
+
+def _swa_metadata(layers: Layers, layer, *, decodes: int, q_len: int,
+                  prefill_lens: tuple[int, ...], causal: bool):
+    """What DeepseekSparseSWAMetadataBuilder.build hands the layer: slices of
+    the builder's own index buffers (their widths are what is checked)."""
+    import torch
+
+    builder = layers.builders[layer.swa_cache_layer.prefix]
+    n_dec = decodes * q_len
+    n_pre = sum(prefill_lens)
+    buf = builder.decode_swa_indices
+    if not causal:
+        width = builder.noncausal_index_width
+        buf = torch.full((builder._max_tokens, 1, width), -1, dtype=torch.int32)
+    qsl = [0]
+    for _ in range(decodes):
+        qsl.append(qsl[-1] + q_len)
+    for n in prefill_lens:
+        qsl.append(qsl[-1] + n)
+    return SimpleNamespace(
+        num_decodes=decodes, num_prefills=len(prefill_lens),
+        num_decode_tokens=n_dec, num_prefill_tokens=n_pre,
+        decode_swa_indices=buf[:n_dec], decode_swa_lens=builder.decode_swa_lens[:n_dec],
+        prefill_swa_indices=builder.prefill_swa_indices[:n_pre] if n_pre else None,
+        prefill_swa_lens=builder.prefill_swa_lens[:n_pre] if n_pre else None,
+        is_valid_token=builder.is_valid_token[: n_dec + n_pre],
+        token_to_req_indices=builder.token_to_req_indices[: n_dec + n_pre],
+        query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
+        block_size=builder.block_size,
+    )
+
+
+def _mla_metadata(layers: Layers, layer, swa):
+    """What DeepseekV4SparseMLAMetadataBuilder.build hands a compressed layer."""
+    import torch
+
+    if layer.compress_ratio <= 1:
+        return None
+    builder = layers.builders[layer.prefix]
+    n_dec, n_pre = swa.num_decode_tokens, swa.num_prefill_tokens
+    md = SimpleNamespace(block_size=builder.kv_cache_spec.block_size,
+                         block_table=torch.zeros(swa.num_decodes + swa.num_prefills,
+                                                 4, dtype=torch.int32), c128a_global_decode_topk_indices=None,
+                         c128a_decode_topk_lens=None, c128a_prefill_topk_indices=None)
+    if layer.compress_ratio == 128:
+        if n_dec:
+            md.c128a_global_decode_topk_indices = (
+                builder.c128a_global_decode_buffer[:n_dec].view(n_dec, 1, -1))
+            md.c128a_decode_topk_lens = builder.c128a_decode_lens_buffer[:n_dec]
+        if n_pre:
+            md.c128a_prefill_topk_indices = builder.c128a_prefill_buffer[:n_pre]
+    return md
+
+
+def _global_topk_stand_in(local, token_to_req, block_table, block_size, is_valid,
+                          output_buffers=None):
+    """compute_global_topk_indices_and_lens is a Triton kernel: same output
+    shapes (one row of the input's width per token, int32) on CPU."""
+    import torch
+
+    return (torch.full(local.shape, -1, dtype=torch.int32),
+            torch.zeros(local.shape[0], dtype=torch.int32))
+
+
+SCENARIOS = (
+    # name, decodes, q_len, prefill lengths, causal
+    ("decode 1 seq, target verify (6 rows)", 1, 6, (), True),
+    ("decode 10 seqs, target verify (60 rows)", 10, 6, (), True),
+    ("decode 12 seqs, target verify (72 rows)", 12, 6, (), True),
+    ("decode 1 seq, DSpark draft (6 rows)", 1, 6, (), False),
+    ("decode 12 seqs, DSpark draft (72 rows)", 12, 6, (), False),
+    ("decode 1 seq, no speculation (1 row)", 1, 1, (), True),
+    ("prefill 2 tokens", 0, 1, (2,), True),
+    ("prefill 64 tokens", 0, 1, (64,), True),
+    ("prefill 100 tokens", 0, 1, (100,), True),
+    ("prefill 8,186 tokens beside one decode", 1, 6, (8186,), True),
+)
+
+
+def run_widths(layers: Layers, fi) -> tuple[list[str], list[dict]]:
+    import torch
+    from vllm.models.deepseek_v4.nvidia import flashinfer_sparse
+
+    recorder = Recorder(fi)
+    flashinfer_sparse.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 = recorder
+    flashinfer_sparse.compute_global_topk_indices_and_lens = _global_topk_stand_in
+    A = flashinfer_sparse.DeepseekV4FlashInferSM120Attention
+    A._get_workspace = staticmethod(lambda device: torch.empty(0, dtype=torch.uint8))
+    errors = []
+    hf = layers.vc.model_config.hf_config
+    for name, decodes, q_len, prefill_lens, causal in SCENARIOS:
+        for prefix, layer in layers.attn.items():
+            draft = layer.layer_id > hf.num_hidden_layers
+            if draft == causal:
+                continue  # draft layers run the non-causal DSpark block only
+            swa = _swa_metadata(layers, layer, decodes=decodes, q_len=q_len,
+                                prefill_lens=prefill_lens, causal=causal)
+            md = _mla_metadata(layers, layer, swa)
+            tokens = swa.num_decode_tokens + swa.num_prefill_tokens
+            q = torch.zeros(tokens, HEADS_PER_RANK, hf.head_dim, dtype=torch.bfloat16)
+            out = torch.zeros(tokens, layer.padded_heads, hf.head_dim, dtype=torch.bfloat16)
+            before = len(recorder.calls)
+            try:
+                layer._forward_sparse_impl(
+                    q=q, output=out, flashmla_metadata=md, swa_metadata=swa,
+                    self_kv_cache=layer.kv_cache if layer.compress_ratio > 1 else None,
+                    swa_kv_cache=layer.swa_cache_layer.kv_cache,
+                    swa_only=layer.compress_ratio <= 1)
+            except Exception as e:  # noqa: BLE001 - reported as the case's result
+                errors.append(f"{name}, ratio {layer.compress_ratio}: "
+                              f"{type(e).__name__}: {e}")
+            else:
+                if len(recorder.calls) == before:
+                    errors.append(f"{name}, ratio {layer.compress_ratio}: no FlashInfer call")
+            for why in recorder.refusals:
+                errors.append(f"{name}, ratio {layer.compress_ratio}: {why}")
+            recorder.refusals.clear()
+    return sorted(set(errors)), recorder.calls
+
+
+def main() -> None:
+    site = Path(sys.argv[1])
+    cache_dtypes = (sys.argv[2] if len(sys.argv) > 2 else "nvfp4_ds_mla").split(",")
+    fi = flashinfer_facts.load()
+    _simulate_sm12x()
+    results: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "config.json").write_text(FIXTURE.read_text())
+        for cache_dtype, max_len in ((d, n) for d in cache_dtypes for n in MAX_MODEL_LENS):
+            key = f"{cache_dtype} max_model_len={max_len}"
+            try:
+                layers = Layers(_config(tmp, cache_dtype, max_len)).plan()
+            except Exception:
+                results[f"{key}: layout"] = traceback.format_exc()
+                continue
+            for check in (check_pages_and_strides, check_group_pages_disjoint):
+                try:
+                    problems = (check(layers, fi) if check is check_pages_and_strides
+                                else check(layers))
+                except Exception:
+                    problems = [traceback.format_exc()]
+                results[f"{key}: {check.__name__[6:]}"] = "\n".join(problems) or "ok"
+            try:
+                problems, calls = run_widths(layers, fi)
+            except Exception:
+                problems, calls = [traceback.format_exc()], []
+            results[f"{key}: index widths"] = "\n".join(problems) or "ok"
+            widths = sorted({(c["tokens"] <= fi.decode_max_tokens, c["topk"], c["extra_topk"])
+                             for c in calls}, key=str)
+            results[f"{key}: widths seen"] = json.dumps(widths)
+    print("@@RESULTS@@" + json.dumps(results))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    main()

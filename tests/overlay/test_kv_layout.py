@@ -1,0 +1,85 @@
+"""DeepSeek V4's KV layout and sparse-index widths through vLLM's own grouping,
+packing, builders and SM120 attention class, against the locked FlashInfer's
+SM120 dispatch (kv_layout_checks.py, run in a subprocess per tree)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import flashinfer_facts
+from .conftest import copy_vllm_tree, installed_site_packages
+
+CHECKS = Path(__file__).with_name("kv_layout_checks.py")
+LENS = (4096, 131072, 350000, 1048576)
+ASPECTS = ("pages_and_strides", "group_pages_disjoint", "index widths")
+DTYPES = ("nvfp4_ds_mla", "fp8_ds_mla")
+
+
+def run_layout_checks(site: Path, dtypes: tuple[str, ...]) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1",
+               VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
+    env.pop("PYTHONWARNINGS", None)
+    result = subprocess.run(
+        [sys.executable, str(CHECKS), str(site), ",".join(dtypes)],
+        capture_output=True, text=True, env=env, timeout=900, check=False,
+    )
+    for line in result.stdout.splitlines():
+        if line.startswith("@@RESULTS@@"):
+            return json.loads(line[len("@@RESULTS@@"):])
+    raise AssertionError(f"checks did not report:\n{result.stdout}\n{result.stderr}")
+
+
+@pytest.fixture(scope="session")
+def flashinfer():
+    try:
+        return flashinfer_facts.load()
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
+def layout_results(patched_site, flashinfer) -> dict[str, str]:
+    return run_layout_checks(patched_site, DTYPES)
+
+
+def test_flashinfer_facts_are_read_from_the_locked_sources(flashinfer):
+    # The dispatch the checks hold the overlay to, as the locked FlashInfer states it.
+    assert flashinfer.version == flashinfer_facts.locked_version()
+    assert flashinfer.decode_widths(32) == (128, 512, 1024)
+    assert flashinfer.decode_max_tokens == 64 and flashinfer.decode_page_tokens == 64
+    assert flashinfer.prefill_dual_topks == (128,)
+    assert flashinfer.bytes_per_token == 584 and flashinfer.io_stride == 576
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("max_len", LENS)
+@pytest.mark.parametrize("aspect", ASPECTS)
+def test_dsv4_layout_through_vllm(layout_results, dtype, max_len, aspect):
+    key = f"{dtype} max_model_len={max_len}"
+    assert f"{key}: layout" not in layout_results, layout_results[f"{key}: layout"]
+    assert layout_results[f"{key}: {aspect}"] == "ok", layout_results[f"{key}: {aspect}"]
+
+
+def test_c128a_widths_reach_flashinfer_unpadded(layout_results):
+    # C128A indices are round_up(cdiv(max_model_len, 128), 128) wide; FlashInfer
+    # takes the compressed segment's width as a runtime value, so they pass as is.
+    for max_len in LENS:
+        seen = json.loads(layout_results[f"nvfp4_ds_mla max_model_len={max_len}: widths seen"])
+        extra = {w[2] for w in seen if w[2] is not None}
+        c128a = -(-(-(-max_len // 128)) // 128) * 128
+        assert c128a in extra and 512 in extra, (max_len, seen)
+
+
+def test_stock_vllm_fails_the_dspark_draft_width(tmp_path_factory, flashinfer):
+    # Stock 0.28.0 hands the DSpark draft's 192-wide SWA indices to a FlashInfer
+    # that has no 192 kernel: the checks must see that.
+    site = copy_vllm_tree(installed_site_packages(), tmp_path_factory.mktemp("stock-kv"))
+    results = run_layout_checks(site, ("fp8_ds_mla",))
+    widths = results["fp8_ds_mla max_model_len=350000: index widths"]
+    assert "topk=192" in widths, widths
