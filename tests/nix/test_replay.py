@@ -1,0 +1,202 @@
+"""nix/replay-runtime.py: the runtime's build replayed on the real locked wheels, without nixpkgs.
+
+The wheels are about 4 GB, so these tests run only where they are already cached
+($DSPARK_WHEEL_CACHE, else the replay's default cache directory; fill it with
+`python3 nix/replay-runtime.py`). Each failure the Nix build had is reproduced on the wheels
+involved with the build data it had (runtime-build.json before the fix), and shown gone with
+the data as it is now. The small tests at the end run everywhere, on wheels they build.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from nix_support import REPO
+
+pytestmark = pytest.mark.nix
+
+
+def load_replay():
+    spec = importlib.util.spec_from_file_location("replay_runtime", REPO / "nix/replay-runtime.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["replay_runtime"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+rr = load_replay()
+WHEELS, BUILD = rr.load_plan()
+BY_NAME = {w.name: w for w in WHEELS}
+CACHE = Path(os.environ.get("DSPARK_WHEEL_CACHE") or rr.DEFAULT_CACHE)
+
+
+def cached(*names: str) -> list:
+    """The locked wheels of these packages, skipping the test unless all are in the cache."""
+    wheels = [BY_NAME[n] if n in BY_NAME else rr.Wheel(n, "", "", "") for n in names]
+    missing = [w.name for w in wheels if not w.filename or not (CACHE / w.filename).is_file()]
+    if missing:
+        pytest.skip(f"locked wheels not cached in {CACHE} ({', '.join(missing)}); fetch them with "
+                    f"`python3 nix/replay-runtime.py --cache {CACHE}` (about 4 GB) or set DSPARK_WHEEL_CACHE")
+    return wheels
+
+
+def installer() -> Path:
+    path = CACHE / rr.installer_wheel(BUILD).filename
+    if not path.is_file():
+        pytest.skip(f"installer {BUILD['installer']['version']} not cached in {CACHE}")
+    return path
+
+
+def before_the_fix() -> dict:
+    """runtime-build.json as the Nix build had it: no removals, stripped, same libraries."""
+    old = copy.deepcopy(BUILD)
+    old["remove_after_install"] = []
+    old["strip"] = True
+    return old
+
+
+def clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+
+def test_build_backend_clash_reproduced_and_fixed(tmp_path):
+    wheels = cached("flashinfer-python", "torch-c-dlpack-ext")
+    clashes = rr.find_clashes(wheels, CACHE, before_the_fix())
+    assert clashes == ["build_backend.py: installed by flashinfer-python and torch-c-dlpack-ext"]
+    # installer itself refuses, as it did in the Nix build.
+    errors = rr.install(tmp_path / "old", wheels, CACHE, before_the_fix(), installer(), log=lambda _: None)
+    assert len(errors) == 1 and "build_backend.py" in errors[0] and "exists" in errors[0]
+    assert rr.find_clashes(wheels, CACHE, BUILD) == []
+    assert rr.install(tmp_path / "new", wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+
+
+def test_nvshmem_plugins_needing_mpi_ucx_libfabric_reproduced_and_fixed(tmp_path):
+    wheels = cached("nvidia-nvshmem-cu13")
+    old = tmp_path / "old"
+    assert rr.install(old, wheels, CACHE, before_the_fix(), installer(), log=lambda _: None) == []
+    missing = {line.rsplit(": ", 1)[1] for line in rr.unresolved_needed(rr.elf_objects(old), old, BUILD)}
+    assert missing == {"libfabric.so.1", "libmpi.so.40", "liboshmem.so.40", "libpmix.so.2",
+                       "libucp.so.0", "libucs.so.0"}
+    new = tmp_path / "new"
+    assert rr.install(new, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+    assert rr.unresolved_needed(rr.elf_objects(new), new, BUILD) == []
+    # torch bootstraps NVSHMEM by unique id: that plugin and the IB transports stay.
+    libdir = rr.site_packages(new) / "nvidia/nvshmem/lib"
+    assert (libdir / "nvshmem_bootstrap_uid.so.3").is_file()
+    assert (libdir / "nvshmem_transport_ibrc.so.3").is_file()
+
+
+def test_torchcodec_needs_ffmpeg_and_is_left_out(tmp_path):
+    assert "torchcodec" not in BY_NAME
+    lock = json.loads((REPO / "nix/runtime-lock.json").read_text())
+    assert "torchcodec" in lock["excluded"]
+    wheel = next((p for p in CACHE.glob("torchcodec-*.whl")), None) if CACHE.is_dir() else None
+    if wheel is None:
+        pytest.skip(f"no torchcodec wheel cached in {CACHE} to show why it is left out")
+    prefix = tmp_path / "tc"
+    errors = rr.install(prefix, [rr.Wheel("torchcodec", "", wheel.name, "")], CACHE, BUILD, installer(),
+                        log=lambda _: None)
+    assert errors == []
+    missing = {line.rsplit(": ", 1)[1] for line in rr.unresolved_needed(rr.elf_objects(prefix), prefix, BUILD)}
+    assert "libavcodec.so.60" in missing and "libheif.so.1" in missing
+
+
+def test_cutlass_dsl_pth_reproduced_with_pythonpath_and_fixed_by_the_venv(tmp_path):
+    wheels = cached("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-core")
+    prefix = tmp_path / "rt"
+    assert rr.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+    site = rr.site_packages(prefix)
+    # The old wrappers: the bare interpreter with PYTHONPATH, which never reads .pth files.
+    old = rr.pth_imports(site, Path(sys.executable).resolve(), dict(clean_env(), PYTHONPATH=str(site)))
+    assert len(old) == 1 and old[0].startswith("nvidia_cutlass_dsl_packages.pth") and "`import cutlass`" in old[0]
+    # The runtime's interpreter now: bin/python of a venv prefix.
+    assert rr.pth_imports(site, prefix / "bin" / "python", clean_env()) == []
+
+
+def test_strip_misaligns_openblas_and_gfortran_reproduced_and_fixed(tmp_path):
+    wheels = cached("numpy")
+    if rr.strip_tool() is None:
+        pytest.skip("no aarch64 strip (apt-get install binutils-aarch64-linux-gnu)")
+    prefix = tmp_path / "np"
+    assert rr.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+    elves = rr.elf_objects(prefix)
+    broken = rr.strip_breaks(elves, prefix, before_the_fix())
+    names = sorted(Path(b.split(":")[0]).name.split("-")[0] for b in broken)
+    assert names == ["libgfortran", "libscipy_openblas64_"], broken
+    assert all("after strip -S" in b for b in broken)
+    assert BUILD["strip"] is False
+    assert rr.strip_breaks(elves, prefix, BUILD) == []
+
+
+def test_full_replay_of_the_lock_is_clean(tmp_path):
+    """The measure of issue 11: the whole lock replays with no problem (about 5 minutes)."""
+    cached(*BY_NAME)
+    installer()
+    proc = subprocess.run([sys.executable, str(REPO / "nix/replay-runtime.py"), "--cache", str(CACHE),
+                           "--offline", "--prefix", str(tmp_path / "runtime"), "--json", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] is True and report["wheels"] == len(WHEELS)
+    assert report["elf_objects"] > 400
+
+
+# ---------------------------------------------------------------- everywhere: wheels built here
+
+def make_wheel(path: Path, name: str, files: dict[str, str], pth: str | None = None) -> Path:
+    whl = path / f"{name}-1.0-py3-none-any.whl"
+    dist = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(whl, "w") as z:
+        for rel, text in files.items():
+            z.writestr(rel, text)
+        if pth is not None:
+            z.writestr(f"{name}.pth", pth)
+        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}/RECORD", "")
+    return whl
+
+
+def test_a_clash_is_reported_for_wheels_built_here(tmp_path):
+    a = make_wheel(tmp_path, "alpha", {"shared.py": "A = 1\n", "alpha/__init__.py": ""})
+    b = make_wheel(tmp_path, "beta", {"shared.py": "B = 1\n", "beta/__init__.py": ""})
+    wheels = [rr.Wheel("alpha", "1.0", a.name, ""), rr.Wheel("beta", "1.0", b.name, "")]
+    assert rr.find_clashes(wheels, tmp_path, {"remove_after_install": []}) == [
+        "shared.py: installed by alpha and beta"]
+    fixed = {"remove_after_install": [{"package": "alpha", "paths": ["shared.py"], "why": "test"}]}
+    assert rr.find_clashes(wheels, tmp_path, fixed) == []
+
+
+def test_unresolved_needed_names_the_object_and_the_library(tmp_path):
+    # An aarch64 shared object needing one library the build provides and one it does not.
+    prefix = tmp_path / "p"
+    (prefix / "lib").mkdir(parents=True)
+    obj = rr.Elf(prefix / "lib" / "libx.so", rr.EM_AARCH64, 3, needed=["libz.so.1", "libnope.so.9"])
+    assert rr.unresolved_needed([obj], prefix, BUILD) == ["lib/libx.so: libnope.so.9"]
+    driver = rr.Elf(prefix / "lib" / "liby.so", rr.EM_AARCH64, 3, needed=["libcuda.so.1"])
+    assert rr.unresolved_needed([driver], prefix, BUILD) == []
+
+
+def test_read_elf_on_a_real_object():
+    elf = rr.read_elf(Path(sys.executable).resolve())
+    assert elf is not None and elf.type in (2, 3) and elf.loads
+    libc = next(p for p in [Path("/lib/x86_64-linux-gnu/libc.so.6"), Path("/lib/aarch64-linux-gnu/libc.so.6")]
+                if p.exists())
+    assert rr.read_elf(libc.resolve()).soname == "libc.so.6"
+    assert rr.misaligned(rr.read_elf(libc.resolve())) is None
+
+
+def test_bad_input_is_one_line_not_a_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "nix/replay-runtime.py"), "--cache", str(tmp_path / "empty"),
+                           "--offline"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("replay-runtime: ") and "not in" in proc.stderr and "Traceback" not in proc.stderr
