@@ -49,9 +49,16 @@ let
     (toString build.driver_library_globs)
   ];
   # dspark's overlay applier (standard library only) and the patch series it applies.
-  overlayTool = lib.fileset.toSource {
-    root = ../src;
-    fileset = lib.fileset.unions [ ../src/dspark/__init__.py ../src/dspark/overlay.py ];
+  overlayTool = builtins.path {
+    name = "dspark-overlay-tool";
+    path = ../src;
+    filter =
+      path: _:
+      lib.elem (lib.removePrefix "${toString ../src}/" (toString path)) [
+        "dspark"
+        "dspark/__init__.py"
+        "dspark/overlay.py"
+      ];
   };
 in
 stdenv.mkDerivation {

@@ -75,3 +75,58 @@ def test_package_version_comes_from_pyproject():
     text = (REPO / "nix/package.nix").read_text()
     assert "lib.importTOML ../pyproject.toml" in text
     assert not re.search(r'version\s*=\s*"', text)
+
+
+def test_flake_has_the_outputs_a_nixos_user_expects(nix_instantiate, nixpkgs_lib):
+    expr = f"""
+      let
+        lib = import {nixpkgs_lib};
+        outputs = (import ./flake.nix).outputs {{ self = outputs; nixpkgs = {{ inherit lib; }}; }};
+      in {{
+        top = builtins.attrNames outputs;
+        checks = builtins.attrNames outputs.checks.aarch64-linux;
+        hosts = builtins.attrNames outputs.nixosConfigurations;
+        template = builtins.pathExists (outputs.templates.default.path + "/flake.nix");
+        overlay = builtins.isFunction outputs.overlays.default;
+      }}"""
+    out = nix_eval(nix_instantiate, expr)
+    assert out["top"] == ["apps", "checks", "devShells", "formatter", "nixosConfigurations", "nixosModules",
+                          "overlays", "packages", "templates"]
+    assert out["checks"] == ["dspark", "module-spark-a", "module-spark-b"]
+    assert out["hosts"] == ["spark-a", "spark-b"] and out["template"] and out["overlay"]
+
+
+def test_template_hosts_evaluate_as_head_and_worker(nix_instantiate, nixpkgs_lib):
+    """nix/template (the flake's templates.default, and its nixosConfigurations): both hosts, with
+    the shared cluster file, evaluate with no failed assertion and get the units of their role."""
+    expr = f"""
+      let
+        lib = import {nixpkgs_lib};
+        hosts = (import ./nix/template/hosts.nix).hosts;
+        stand = import ./tests/nix/stand-ins.nix {{ inherit lib; }};
+        fake = name: {{ type = "derivation"; inherit name; outPath = "/nix/store/00000000000000000000000000000000-${{name}}"; }};
+        eval = host: (lib.evalModules {{
+          modules = [
+            stand
+            {{ options.nixpkgs.config = lib.mkOption {{ type = lib.types.attrs; default = {{ }}; }}; }}
+            (import ./modules/default.nix)
+            {{ services.dspark.package = fake "dspark-0.1.0";
+               services.dspark.runtimePackage = lib.mkOverride 900 (fake "dspark-runtime-0.28.0"); }}
+            ./nix/template/dspark-cluster.nix
+            host
+          ];
+        }}).config;
+      in lib.mapAttrs (_: host: let c = eval host; in {{
+        failed = map (a: a.message) (lib.filter (a: !a.assertion) c.assertions);
+        units = builtins.attrNames c.systemd.services;
+        unfree = c.nixpkgs.config.allowUnfree;
+      }}) hosts"""
+    out = nix_eval(nix_instantiate, expr)
+    assert out == {
+        "spark-a": {"failed": [], "units": ["dspark-head", "dspark-wait-worker"], "unfree": True},
+        "spark-b": {"failed": [], "units": ["dspark-worker"], "unfree": True},
+    }
+    # The repository's flake and the template's flake build their hosts from the same files.
+    for flake in ("flake.nix", "nix/template/flake.nix"):
+        text = (REPO / flake).read_text()
+        assert "dspark-cluster.nix" in text and "hosts.nix" in text and "example-hardware.nix" in text
