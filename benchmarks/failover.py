@@ -1,15 +1,20 @@
-"""Failover of the local appliance under systemd: kill -9 the worker's vLLM under load.
+"""Failover of the local appliance under systemd: a dead worker, a wedged one, a saturated pair.
 
 Runs the real local pair (vLLM CPU build) with the project's own units in a throwaway
 systemd-nspawn container (tests/systemd/nspawn_container.py; root, systemd-container), puts
-a bounded load of real completions on the head's API (loopback), kills the worker's vLLM,
-and prints:
-  - detection: seconds from the kill until the head leaves `serving`
-  - back to serving: seconds from the kill until both nodes serve and a completion succeeds
-  - the load's requests: completed, explicit errors (HTTP error or refused/reset connection),
-    hung (no answer within --hang-s), silently dropped (HTTP 200 without a completion)
+a bounded load of real completions on the head's API (loopback), and for each case prints
+detection time and requests lost:
+  - kill:       kill -9 the worker's vLLM
+  - wedge:      SIGSTOP every process of the worker's vLLM (the collective wedges; /health and
+                /metrics keep answering): the head must call it a stall within stall_s
+  - saturation: 2 x max_num_seqs clients of long completions for longer than three liveness
+                windows: nothing may be detected and nothing lost
+For each: detection (seconds from the fault until the head leaves `serving`; none expected
+for saturation), back to serving (until both serve and a completion succeeds), and the load's
+requests: completed, explicit errors (HTTP error or refused/reset connection), hung (no answer
+within --hang-s), silently dropped (HTTP 200 without a completion).
 
-    sudo .venv/bin/python benchmarks/failover.py [--clients 4] [--json]
+    sudo .venv/bin/python benchmarks/failover.py [--case kill --case wedge ...] [--json]
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Outcome:
 
 @dataclass
 class Report:
+    case: str
     clients: int
     hang_s: float
     detection_s: float | None = None
@@ -91,50 +97,83 @@ def load(app: Appliance, stop: threading.Event, t_kill: list[float], out: list[O
             time.sleep(0.2)  # a down API answers at once; do not spin
 
 
-def run(clients: int, warmup_s: float, hang_s: float, max_tokens: int, recover_s: float,
-        progress=lambda msg: print(msg, file=sys.stderr, flush=True)) -> Report:
-    report = Report(clients=clients, hang_s=hang_s)
+CASES = ("kill", "wedge", "saturation")
+
+
+def run_case(app: Appliance, case: str, clients: int, warmup_s: float, hang_s: float, max_tokens: int,
+             recover_s: float, progress) -> Report:
+    sup = app.cluster.supervisor
+    if case == "saturation":
+        # Twice max_num_seqs long completions, for longer than 3 x (interval + timeout).
+        clients = 2 * app.cluster.serving.max_num_seqs
+        max_tokens = max(max_tokens, 400)
+        warmup_s = max(warmup_s, 3 * (sup.liveness_interval_s + sup.liveness_timeout_s) + 5)
+    report = Report(case=case, clients=clients, hang_s=hang_s, user_note=app.user_note)
+    app.wait_serving(recover_s)
+    progress(f"[{case}] load: {clients} clients of {max_tokens} tokens, {warmup_s:g} s before the fault")
+    stop, t_fault, outcomes = threading.Event(), [], []
+    threads = [threading.Thread(target=load, args=(app, stop, t_fault, outcomes, hang_s, max_tokens), daemon=True)
+               for _ in range(clients)]
+    for th in threads:
+        th.start()
+    try:
+        time.sleep(warmup_s)
+        t_fault.append(time.monotonic())
+        if case == "saturation":
+            limit = 0.0  # no fault: the load simply ends; anything detected is a false alarm
+        else:
+            pid = app.state(WORKER_NAME)["vllm_pid"]
+            app.kill("KILL" if case == "kill" else "STOP", pid, group=case == "wedge")
+            progress(f"[{case}] {'killed' if case == 'kill' else 'stopped (SIGSTOP)'} the worker's vLLM "
+                     f"(pid {pid} in the container)")
+            limit = 60.0 if case == "kill" else sup.stall_s + 60
+        while time.monotonic() - t_fault[0] < limit:
+            s = app.state(HEAD_NAME, timeout=1.0)
+            if s is None or s["state"] != "serving":
+                report.detection_s = round(time.monotonic() - t_fault[0], 2)
+                break
+            time.sleep(0.1)
+        if case != "saturation":
+            progress(f"[{case}] detected after {report.detection_s} s; waiting for the pair to serve again")
+            app.wait_serving(recover_s)
+            report.back_to_serving_s = round(time.monotonic() - t_fault[0], 1)
+            progress(f"[{case}] serving again {report.back_to_serving_s} s after the fault; "
+                     f"load runs {warmup_s:g} s more")
+            time.sleep(warmup_s)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(timeout=hang_s + 10)
+    if case == "saturation":
+        s = app.state(HEAD_NAME, timeout=1.0)
+        if s is None or s["state"] != "serving":
+            report.detection_s = round(time.monotonic() - t_fault[0], 2)  # a false alarm
+    report.counts = dict(Counter(o.kind for o in outcomes))
+    report.errors = dict(Counter(f"{o.kind}: {o.detail}" for o in outcomes if o.kind != COMPLETED))
+    return report
+
+
+def run(cases: list[str], clients: int, warmup_s: float, hang_s: float, max_tokens: int, recover_s: float,
+        progress=lambda msg: print(msg, file=sys.stderr, flush=True)) -> list[Report]:
+    reports = []
     with Container() as box:
         app = install(box)
-        report.user_note = app.user_note
         progress("starting the pair: systemctl start dspark-head ...")
         t = time.monotonic()
         r = box.systemctl("start", "dspark-head", timeout=900)
         if r.returncode != 0:
             raise RuntimeError(r.stderr + app.diagnose())
         app.wait_serving(120)
-        report.pair_start_s = round(time.monotonic() - t, 1)
-        progress(f"serving after {report.pair_start_s} s; load: {clients} clients, {warmup_s:g} s before the kill")
-        stop, t_kill, outcomes = threading.Event(), [], []
-        threads = [threading.Thread(target=load, args=(app, stop, t_kill, outcomes, hang_s, max_tokens), daemon=True)
-                   for _ in range(clients)]
-        for th in threads:
-            th.start()
+        pair_start_s = round(time.monotonic() - t, 1)
+        progress(f"serving after {pair_start_s} s")
         try:
-            time.sleep(warmup_s)
-            pid = app.state(WORKER_NAME)["vllm_pid"]
-            t_kill.append(time.monotonic())
-            app.kill("KILL", pid)
-            progress(f"killed the worker's vLLM (pid {pid} in the container)")
-            while time.monotonic() - t_kill[0] < 60:
-                s = app.state(HEAD_NAME, timeout=1.0)
-                if s is None or s["state"] != "serving":
-                    report.detection_s = round(time.monotonic() - t_kill[0], 2)
-                    break
-                time.sleep(0.1)
-            progress(f"detected after {report.detection_s} s; waiting for the pair to serve again")
-            app.wait_serving(recover_s)
-            report.back_to_serving_s = round(time.monotonic() - t_kill[0], 1)
-            progress(f"serving again {report.back_to_serving_s} s after the kill; load runs {warmup_s:g} s more")
-            time.sleep(warmup_s)
+            for case in cases:
+                rep = run_case(app, case, clients, warmup_s, hang_s, max_tokens, recover_s, progress)
+                rep.pair_start_s = pair_start_s
+                reports.append(rep)
         finally:
-            stop.set()
-            for th in threads:
-                th.join(timeout=hang_s + 10)
             box.systemctl("stop", "dspark-head", "dspark-worker", timeout=200)
-    report.counts = dict(Counter(o.kind for o in outcomes))
-    report.errors = dict(Counter(f"{o.kind}: {o.detail}" for o in outcomes if o.kind != COMPLETED))
-    return report
+    return reports
 
 
 def main() -> int:
@@ -144,28 +183,38 @@ def main() -> int:
     ap.add_argument("--hang-s", type=float, default=60, help="a request without an answer this long is hung (s)")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per request (default 16)")
     ap.add_argument("--recover-s", type=float, default=600, help="give up waiting for recovery after (s)")
-    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--case", action="append", choices=CASES,
+                    help="kill, wedge or saturation; repeat for several (default: all three, in that order)")
+    ap.add_argument("--json", action="store_true", help="print the reports as JSON")
     a = ap.parse_args()
     why = missing_requirements()
     if why:
         print(f"failover: {why}", file=sys.stderr)
         return 2
-    rep = run(a.clients, a.warmup_s, a.hang_s, a.max_tokens, a.recover_s)
+    reports = run(a.case or list(CASES), a.clients, a.warmup_s, a.hang_s, a.max_tokens, a.recover_s)
     if a.json:
-        print(json.dumps(asdict(rep), indent=2))
+        print(json.dumps([asdict(r) for r in reports], indent=2))
         return 0
-    total = sum(rep.counts.values())
-    print(f"pair start (systemctl start dspark-head): {rep.pair_start_s} s")
-    print(f"detection after the worker kill:          {rep.detection_s} s")
-    print(f"back to serving after the kill:           {rep.back_to_serving_s} s")
-    print(f"requests ({rep.clients} clients, {total} in all):")
-    for kind in (COMPLETED, HTTP_ERROR, CONN_ERROR, HUNG, DROPPED):
-        print(f"  {kind:<17} {rep.counts.get(kind, 0)}")
-    for what, n in sorted(rep.errors.items(), key=lambda kv: -kv[1]):
-        print(f"    {n:>5}  {what}")
-    if rep.user_note:
-        print(f"note: {rep.user_note}")
-    return 0 if not (rep.counts.get(HUNG) or rep.counts.get(DROPPED)) else 1
+    print(f"pair start (systemctl start dspark-head): {reports[0].pair_start_s} s")
+    bad = False
+    for rep in reports:
+        total = sum(rep.counts.values())
+        lost = total - rep.counts.get(COMPLETED, 0)
+        print(f"\n== {rep.case}")
+        print(f"detection after the fault:  {rep.detection_s if rep.detection_s is not None else 'none'}"
+              f"{' s' if rep.detection_s is not None else ''}")
+        if rep.case != "saturation":
+            print(f"back to serving:            {rep.back_to_serving_s} s")
+        print(f"requests lost:              {lost} of {total} ({rep.clients} clients)")
+        for kind in (COMPLETED, HTTP_ERROR, CONN_ERROR, HUNG, DROPPED):
+            print(f"  {kind:<17} {rep.counts.get(kind, 0)}")
+        for what, n in sorted(rep.errors.items(), key=lambda kv: -kv[1]):
+            print(f"    {n:>5}  {what}")
+        bad |= bool(rep.counts.get(HUNG) or rep.counts.get(DROPPED))
+        bad |= rep.case == "saturation" and (lost > 0 or rep.detection_s is not None)
+    if reports[0].user_note:
+        print(f"note: {reports[0].user_note}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

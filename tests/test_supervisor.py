@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pairlib import dspark_cmd, get_json
+from pairlib import dspark_cmd, get_json, run_dspark
 from dspark import config as C
 from dspark.supervisor import EXIT_CONFIG, EXIT_DIED, EXIT_NEVER_READY, EXIT_OK
 
@@ -255,12 +255,15 @@ def test_a_saturated_head_is_alive_on_progress_and_keeps_its_requests(tmp_path, 
     s.read(until="READY=1")
     t0 = time.monotonic()
     results, threads = completions(s.node.api_url, 4, max_tokens=100)
-    proofs = set()
+    proofs, status = set(), None
     while any(t.is_alive() for t in threads) and time.monotonic() - t0 < 40:
         live = s.state()["liveness"]
         proofs.add(live["proof"])
         assert s.state()["state"] == "serving", s.state()
+        if status is None and time.monotonic() - t0 > 3:
+            status = run_dspark("status", "--config", str(tmp_path / "cluster.toml")).stdout
         time.sleep(0.3)
+    assert "liveness (h): alive; last proof: progress" in status, status
     assert results == [200] * 4
     assert time.monotonic() - t0 > 3 * (0.5 + 1.0)
     assert "progress" in proofs

@@ -84,8 +84,22 @@ def render_table(snap: dict) -> str:
     health = api["health"] if api["health"] is not None else "unreachable"
     lines.append("")
     lines.append(f"API {api['url']}  /health {health}  vLLM {api['version'] or '-'}")
+    for n in snap["nodes"]:
+        live = n.get("liveness")
+        if isinstance(live, dict):
+            lines.append(f"liveness ({n['name']}): {liveness_line(live)}")
     lines.append("pair: SERVING" if snap["serving"] else "pair: NOT SERVING")
     return "\n".join(lines)
+
+
+def liveness_line(live: dict, now: float | None = None) -> str:
+    """'alive by progress 3 s ago: ...' from an agent's liveness report."""
+    now = time.time() if now is None else now
+    head = "alive" if live.get("ok") else f"NOT ALIVE ({live.get('error') or 'no proof yet'})"
+    proof, at = live.get("proof"), live.get("proof_at")
+    if proof not in ("progress", "probe") or not isinstance(at, (int, float)):
+        return head + "; no proof of life yet"
+    return f"{head}; last proof: {proof}, {max(0.0, now - at):.0f} s ago ({live.get('proof_detail') or ''})"
 
 
 def to_json(snap: dict) -> str:

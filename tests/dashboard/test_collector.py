@@ -326,3 +326,17 @@ def test_collector_spec_decode_when_present(metrics_stand_in, agents):
     spec = snap["vllm"]["spec_decode"]
     assert spec["acceptance_rate"] == {"current": 0.5, "lifetime": round(45 / 80, 4)}
     assert spec["mean_acceptance_length"] == round(1 + 45 / 16, 3)
+
+
+def test_collector_shows_which_proof_of_life_the_head_used_last(metrics_stand_in, agents):
+    states, running = agents
+    metrics_stand_in.text = scrape_text("b")
+    col = C.Collector(targets(metrics_stand_in.url, running), timeout_s=1.0)
+    assert col.tick()["nodes"][0]["liveness"] is None  # no round yet
+    states["node-a"].liveness = A.Liveness(ok=True, at=time.time(), proof="progress", proof_at=time.time() - 3,
+                                           proof_detail="712 tokens since the last look; 16 running, 17 waiting")
+    snap = col.tick()
+    validate_snapshot(snap)
+    live = snap["nodes"][0]["liveness"]
+    assert live["ok"] and live["proof"] == "progress" and 2.5 <= live["proof_age_s"] <= 10
+    assert "16 running" in live["proof_detail"] and snap["nodes"][1]["liveness"] is None

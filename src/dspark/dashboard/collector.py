@@ -244,6 +244,7 @@ class Collector:
             "silent_s": _r(silent, 1) if s is None else 0.0,
             "restarts": last.get("restarts"), "vllm_pid": last.get("vllm_pid"),
             "vllm_version": last.get("vllm_version"), "uptime_s": last.get("uptime_s"),
+            "liveness": _liveness(last.get("liveness")),
             "hardware": {"source": source, "gpus": hw.get("gpus") or [],
                          "nvme_temperature_c": hw.get("nvme_temperature_c")},
         }
@@ -312,3 +313,15 @@ class Collector:
                                     "lifetime": _r(life["acceptance_rate"], 4)},
                 "mean_acceptance_length": _r(life["mean_acceptance_length"], 3),
                 "draft_tokens": life["draft_tokens"], "accepted_tokens": life["accepted_tokens"]}
+
+
+def _liveness(live) -> dict | None:
+    """The head's last liveness round and the last proof of life, as the agent reports them."""
+    if not isinstance(live, dict):
+        return None
+    at = live.get("proof_at")
+    age = time.time() - at if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+    proof = live.get("proof") if live.get("proof") in ("progress", "probe") else None
+    detail = live.get("proof_detail")
+    return {"ok": live.get("ok") is True, "proof": proof, "proof_age_s": _r(max(age, 0.0), 1) if age is not None else None,
+            "proof_detail": detail if isinstance(detail, str) else ""}

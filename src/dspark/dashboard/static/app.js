@@ -84,6 +84,7 @@ function nodeCard(n) {
   detail.dataset.field = "detail";
   const table = document.createElement("table");
   for (const [key, label] of [["restarts", "restarts"], ["vllm_pid", "vLLM pid"], ["uptime", "uptime"],
+                              ["liveness", "alive by"],
                               ["gpu_temp", "GPU temperature"], ["gpu_power", "GPU power"],
                               ["gpu_util", "GPU utilization"], ["nvme_temp", "NVMe temperature"]]) {
     const tr = table.insertRow();
@@ -111,6 +112,8 @@ function renderNodes(snap) {
       restarts: na(n.restarts, fmt.int),
       vllm_pid: na(n.vllm_pid, String),
       uptime: na(n.uptime_s, fmt.dur),
+      liveness: n.liveness && n.liveness.proof && n.liveness.proof_age_s !== null
+        ? `${n.liveness.proof}, ${fmt.dur(n.liveness.proof_age_s)} ago` : "n/a",
       gpu_temp: na(gpu.temperature_c, (x) => x.toFixed(0) + " °C"),
       gpu_power: na(gpu.power_w, (x) => x.toFixed(1) + " W"),
       gpu_util: na(gpu.utilization_pct, (x) => x.toFixed(0) + " %"),
