@@ -50,8 +50,9 @@ SYSUSERS_FILE = "etc/sysusers.d/dspark.conf"
 NODE_DROPIN = "50-dspark-node.conf"
 LOCAL_PAIR_DROPIN = "60-dspark-local-pair.conf"
 
-# WATCHDOG=1 goes out every WatchdogSec/2, and on the head only while a real 1-token
-# completion succeeded within liveness_interval_s + liveness_timeout_s (15 s by default). Under
+# WATCHDOG=1 goes out every WatchdogSec/2, and on the head only while a liveness round found
+# the engine alive (its counters moving while busy, a 1-token completion while idle: see
+# dspark.liveness) within liveness_interval_s + liveness_timeout_s (15 s by default). Under
 # the watchdog it is the one enforcer of liveness: a hung vLLM stops the pings and systemd
 # restarts the unit at most WatchdogSec later (result 'watchdog'). 10 s leaves room for a
 # supervisor loop slowed by a loaded host (its agent polls may take a few seconds); 5 s
