@@ -130,3 +130,20 @@ def test_cli_bad_files_give_messages_not_tracebacks(tmp_path, text, expected):
     assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr
     r = run_dspark("config", "check", "--config", str(tmp_path / "missing.toml"))
     assert r.returncode == 2 and "file not found" in r.stderr
+
+
+@pytest.mark.parametrize("value, needle", [
+    (float("inf"), "positive, finite"), (float("nan"), "positive, finite"), (0.0, "positive, finite"),
+    (6.0, "at least twice liveness_interval_s"),
+])
+def test_stall_s_is_finite_and_spans_two_liveness_readings(value, needle):
+    data = good()
+    data.setdefault("supervisor", {}).update(stall_s=value, liveness_interval_s=5.0)
+    assert any(p.startswith("supervisor.stall_s") and needle in p for p in problems(data)), problems(data)
+
+
+def test_stall_s_default_and_override():
+    assert C.from_dict(good()).supervisor.stall_s == 180.0
+    data = good()
+    data.setdefault("supervisor", {})["stall_s"] = 600
+    assert C.from_dict(data).supervisor.stall_s == 600.0

@@ -140,9 +140,10 @@ class SupervisorConfig:
     liveness_failures: int = _f(2, help="Consecutive failed liveness checks before the head gives up.", example=2)
     stall_s: float = _f(
         180.0, help="While requests run or wait, the head's engine is alive as long as vLLM's token counters "
-                    "advance; nothing advancing for this long is a stall (a wedged collective) and stops the "
-                    "pair. Above the slowest engine step: an 8192-token prefill chunk takes seconds on two "
-                    "GB10 nodes (about 2,000 prompt tok/s), and vLLM's own step timeout is 300 s.",
+                    "or KV-cache usage move (no 1-token probe then: it would queue behind the load); nothing "
+                    "moving for this long is a stall (a wedged collective) and stops the pair. Above the "
+                    "slowest engine step (an 8192-token prefill chunk takes seconds on two GB10 nodes at "
+                    "about 2,000 prompt tok/s) and below vLLM's own 300 s step timeout.",
         example=180.0)
     stop_grace_s: float = _f(30.0, help="Seconds vLLM gets after SIGTERM before SIGKILL.", example=30.0)
     head_lost_s: float = _f(10.0, help="A serving worker leaves once the head's agent is unreachable this long.",
