@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from . import flashinfer_facts
-from .conftest import copy_vllm_tree, installed_site_packages
 
 CHECKS = Path(__file__).with_name("kv_layout_checks.py")
 LENS = (4096, 131072, 350000, 1048576)
@@ -76,10 +75,9 @@ def test_c128a_widths_reach_flashinfer_unpadded(layout_results):
         assert c128a in extra and 512 in extra, (max_len, seen)
 
 
-def test_stock_vllm_fails_the_dspark_draft_width(tmp_path_factory, flashinfer):
+def test_stock_vllm_fails_the_dspark_draft_width(stock_site, flashinfer):
     # Stock 0.28.0 hands the DSpark draft's 192-wide SWA indices to a FlashInfer
     # that has no 192 kernel: the checks must see that.
-    site = copy_vllm_tree(installed_site_packages(), tmp_path_factory.mktemp("stock-kv"))
-    results = run_layout_checks(site, ("fp8_ds_mla",))
+    results = run_layout_checks(stock_site, ("fp8_ds_mla",))
     widths = results["fp8_ds_mla max_model_len=350000: index widths"]
     assert "topk=192" in widths, widths
