@@ -1,12 +1,29 @@
-"""Small HTTP client helpers (stdlib only) for vLLM's API and the node agents."""
+"""The one HTTP client of dspark (httpx), for vLLM's API and the node agents.
+
+Every client goes through here: bench, status, wait-worker, the dashboard's collector and the
+supervisor's probes. httpx rather than urllib because it closes three classes of defect:
+
+- a redirect to another origin (scheme, host or port) drops the `Authorization` header, so
+  the API key never follows a redirect to another host (urllib kept it);
+- connect, read and write timeouts, plus an overall deadline checked here while the body
+  streams in, so a server that trickles bytes cannot hold a caller forever;
+- bodies are streamed and refused past `MAX_BODY_BYTES` (`MAX_LINE_BYTES` per line of an
+  event stream) instead of being read into memory whole.
+
+These limits are dspark's HTTP policy, written only here.
+"""
 
 from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
+
+MAX_BODY_BYTES = 16 * 1024 * 1024   # any one answer (vLLM's /metrics is a few hundred KiB)
+MAX_LINE_BYTES = 1024 * 1024        # one line of a server-sent event stream
+MAX_REDIRECTS = 5
 
 
 class HTTPFailure(Exception):
@@ -30,28 +47,127 @@ class Response:
         return json.loads(self.body)
 
 
-def request(url: str, *, data: dict | None = None, timeout: float = 5.0, token: str | None = None) -> Response:
-    """GET (or POST JSON when `data` is given). Non-2xx answers are returned, not raised;
-    no answer at all (refused, timed out, reset) raises HTTPFailure."""
-    body = None if data is None else json.dumps(data).encode()
-    req = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET")
-    if body is not None:
-        req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    t0 = time.monotonic()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return Response(r.status, r.read(), time.monotonic() - t0)
-    except urllib.error.HTTPError as e:
+_client = None
+
+
+def client():
+    """The process's httpx client (built once, on first use: importing httpx costs ~0.1 s,
+    which `dspark --help` must not pay). No keep-alive: every request opens its own
+    connection, so a restarted server is seen as such (a refused connection)."""
+    global _client
+    if _client is None:
+        import httpx
+
+        _client = httpx.Client(follow_redirects=True, max_redirects=MAX_REDIRECTS,
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+    return _client
+
+
+def _refused(exc: BaseException) -> bool:
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 10:
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def _reason(exc: BaseException) -> str:
+    import httpx
+
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    if _refused(exc):
+        return "[Errno 111] Connection refused"
+    if isinstance(exc, httpx.TooManyRedirects):
+        return f"more than {MAX_REDIRECTS} redirects"
+    if isinstance(exc, (httpx.UnsupportedProtocol, httpx.InvalidURL)):
+        return f"not a usable http(s) URL ({exc})"
+    return str(exc) or type(exc).__name__
+
+
+def _failure(url: str, exc: BaseException) -> HTTPFailure:
+    return HTTPFailure(f"{url}: {_reason(exc)}", refused=_refused(exc))
+
+
+@dataclass
+class Stream:
+    """An open response whose body is read through `lines()` or `read()`, within limits."""
+
+    url: str
+    status: int
+    _resp: object
+    _deadline: float
+
+    def _chunks(self) -> Iterator[bytes]:
+        import httpx
+
         try:
-            payload = e.read()
-        except OSError:
-            payload = b""
-        return Response(e.code, payload, time.monotonic() - t0)
-    except (urllib.error.URLError, OSError, TimeoutError) as e:
-        reason = getattr(e, "reason", e)
-        raise HTTPFailure(f"{url}: {reason}", refused=isinstance(reason, ConnectionRefusedError)) from None
+            for chunk in self._resp.iter_bytes():
+                if time.monotonic() > self._deadline:
+                    raise HTTPFailure(f"{self.url}: the answer took longer than its deadline")
+                yield chunk
+        except httpx.HTTPError as e:
+            raise _failure(self.url, e) from None
+
+    def read(self, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+        body = bytearray()
+        for chunk in self._chunks():
+            body += chunk
+            if len(body) > max_bytes:
+                raise HTTPFailure(f"{self.url}: answer larger than {max_bytes:,} bytes")
+        return bytes(body)
+
+    def lines(self, max_line: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+        """The body's lines (without the line end), each at most `max_line` bytes."""
+        buf = b""
+        for chunk in self._chunks():
+            buf += chunk
+            while True:
+                cut = buf.find(b"\n")
+                if cut < 0:
+                    break
+                line, buf = buf[:cut], buf[cut + 1:]
+                yield line.rstrip(b"\r")
+            if len(buf) > max_line:
+                raise HTTPFailure(f"{self.url}: a line longer than {max_line:,} bytes")
+        if buf:
+            yield buf.rstrip(b"\r")
+
+
+@contextmanager
+def stream(url: str, *, data: dict | None = None, timeout: float = 5.0, deadline_s: float | None = None,
+           token: str | None = None, headers: dict | None = None) -> Iterator[Stream]:
+    """Open a GET (or a JSON POST when `data` is given) and yield its Stream. `timeout` bounds
+    each network step (connect, each read); `deadline_s` (default: `timeout`) the whole answer."""
+    import httpx
+
+    hdrs = dict(headers or {})
+    if token:
+        hdrs["Authorization"] = f"Bearer {token}"
+    t0 = time.monotonic()
+    deadline = t0 + (timeout if deadline_s is None else deadline_s)
+    try:
+        req = client().build_request("POST" if data is not None else "GET", url, json=data, headers=hdrs,
+                                     timeout=httpx.Timeout(timeout))
+        resp = client().send(req, stream=True)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise _failure(url, e) from None
+    try:
+        yield Stream(url, resp.status_code, resp, deadline)
+    finally:
+        resp.close()
+
+
+def request(url: str, *, data: dict | None = None, timeout: float = 5.0, token: str | None = None,
+            max_bytes: int = MAX_BODY_BYTES) -> Response:
+    """GET (or POST JSON when `data` is given). Non-2xx answers are returned, not raised;
+    no answer at all (refused, timed out, reset, too large) raises HTTPFailure."""
+    t0 = time.monotonic()
+    with stream(url, data=data, timeout=timeout, token=token) as s:
+        body = s.read(max_bytes)
+        return Response(s.status, body, time.monotonic() - t0)
 
 
 def get_json(url: str, timeout: float = 5.0, token: str | None = None):
@@ -62,3 +178,12 @@ def get_json(url: str, timeout: float = 5.0, token: str | None = None):
         return r.json()
     except ValueError:
         raise HTTPFailure(f"{url}: answer is not JSON") from None
+
+
+def get_object(url: str, timeout: float = 5.0, token: str | None = None) -> dict:
+    """get_json for answers that must be a JSON object (an agent's /state, vLLM's /version):
+    anything else is an HTTPFailure, never a crash in the caller."""
+    value = get_json(url, timeout=timeout, token=token)
+    if not isinstance(value, dict):
+        raise HTTPFailure(f"{url}: answer is JSON but not an object")
+    return value

@@ -9,14 +9,14 @@ from typing import Callable
 from . import agent as A
 from . import vllm_facts
 from .config import Cluster
-from .http import HTTPFailure, get_json, request
+from .http import HTTPFailure, get_object, request
 
 WORKER_READY_STATES = (A.RENDEZVOUS, A.SERVING)
 
 
 def agent_state(url: str, timeout: float = 2.0) -> dict | None:
     try:
-        return get_json(url.rstrip("/") + "/state", timeout=timeout)
+        return get_object(url.rstrip("/") + "/state", timeout=timeout)
     except HTTPFailure:
         return None
 
@@ -64,7 +64,7 @@ def collect(cluster: Cluster, token: str | None = None) -> dict:
     api = {"url": cluster.head.api_url, "health": None, "version": None}
     try:
         api["health"] = request(cluster.head.api_url + vllm_facts.HEALTH, timeout=2.0, token=token).status
-        api["version"] = get_json(cluster.head.api_url + vllm_facts.VERSION, timeout=2.0, token=token)["version"]
+        api["version"] = get_object(cluster.head.api_url + vllm_facts.VERSION, timeout=2.0, token=token).get("version")
     except (HTTPFailure, KeyError, TypeError):
         pass
     serving = all(n["state"] == A.SERVING for n in nodes) and api["health"] == 200

@@ -103,7 +103,7 @@ def server_options(f):
     # applied bottom-up: the last one here is listed first in --help
     f = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary; errors only.")(f)
     f = click.option("--request-timeout", type=float, default=600.0, show_default=True,
-                     help="Seconds one request (or one read of its stream) may take.")(f)
+                     help="Seconds one request may take, from sending it to the end of its stream.")(f)
     f = click.option("--seed", type=int, default=0, show_default=True,
                      help="Prompt seed: runs with the same seed send identical prompts.")(f)
     f = click.option("--label", default="run", show_default=True,

@@ -1,16 +1,17 @@
 """The server under test: its address, what it says about itself, and one streamed
-completion timed on the client side (stdlib only: the bench must run from any machine
-that has dspark, and threads keep one stream per concurrent request)."""
+completion timed on the client side (through dspark.http: bounded bodies and lines, an
+overall deadline per request; threads keep one stream per concurrent request).
+
+Whatever the server answers (JSON that is not an object, a chunk of the wrong shape, more
+tokens than asked for, a stream that never ends) is a BenchError that says so."""
 
 from __future__ import annotations
 
-import http.client
 import json
-import socket
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 
+from .. import http
 from .. import vllm_facts as F
 from ..http import HTTPFailure, Response, request
 from . import metrics
@@ -26,7 +27,7 @@ class Target:
     url: str                  # e.g. http://10.0.0.1:8888 (no trailing slash)
     model: str | None = None  # served name; None = the server's only model
     token: str | None = None  # API key, sent as a Bearer token
-    timeout_s: float = 600.0  # per request, and per read of a stream
+    timeout_s: float = 600.0  # per request, from sending it to the end of its stream
 
     def endpoint(self, path: str) -> str:
         return self.url.rstrip("/") + path
@@ -69,14 +70,16 @@ def describe(target: Target) -> ServerInfo:
     """Runtime version (/version), the served model and its max_model_len (/v1/models), and
     the KV-cache settings vLLM publishes in /metrics."""
     models = _get(target, F.MODELS)
-    entries = models.get("data") or [] if isinstance(models, dict) else []
-    names = [m.get("id") for m in entries]
+    data = models.get("data") if isinstance(models, dict) else None
+    entries = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] \
+        if isinstance(data, list) else []
+    names = [m["id"] for m in entries]
     if target.model is None:
         if len(names) != 1:
             raise BenchError(f"{target.url} serves {names or 'no models'}; name one with --model")
         entry = entries[0]
     else:
-        matches = [m for m in entries if m.get("id") == target.model]
+        matches = [m for m in entries if m["id"] == target.model]
         if not matches:
             raise BenchError(f"{target.url} does not serve model {target.model!r}; it serves {names}")
         entry = matches[0]
@@ -84,7 +87,11 @@ def describe(target: Target) -> ServerInfo:
         version = _get(target, F.VERSION).get("version")
     except (BenchError, AttributeError):
         version = None
+    if not isinstance(version, str):
+        version = None
     max_len = entry.get(F.MODELS_MAX_LEN_FIELD)
+    if not (isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > 0):
+        max_len = None
     info = ServerInfo(url=target.url, model=entry["id"], runtime_version=version,
                       max_model_len=int(max_len) if max_len is not None else None)
     try:
@@ -100,7 +107,10 @@ def describe(target: Target) -> ServerInfo:
 
 def scrape(target: Target, model: str | None = None) -> metrics.Snapshot:
     r = _fetch(target, F.METRICS, timeout=30.0)
-    return metrics.parse(r.body.decode("utf-8", "replace"), model=model)
+    try:
+        return metrics.parse(r.body.decode("utf-8", "replace"), model=model)
+    except (ValueError, TypeError, IndexError) as e:  # prometheus_client's parser on garbage
+        raise BenchError(f"{target.endpoint(F.METRICS)}: not Prometheus text ({e})") from None
 
 
 @dataclass
@@ -139,11 +149,26 @@ def _error_message(body: bytes) -> str:
         return body[:300].decode("utf-8", "replace")
 
 
+# A choice chunk carries at least one token; a stream with more lines than this (per token
+# asked for) is a server that ignores max_tokens or never ends.
+MAX_LINES_PER_TOKEN = 8
+MAX_EXTRA_LINES = 64
+
+
+def _count(value, what: str, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BenchError(f"{where}: usage.{what} is not a token count: {value!r}")
+    return value
+
+
 def stream_completion(target: Target, model: str, prompt: list[int] | tuple[int, ...], max_tokens: int,
                       *, ignore_eos: bool = True, temperature: float = 0.0) -> StreamResult:
-    """POST a token-id prompt to /v1/completions with stream=true and time every chunk."""
-    u = urllib.parse.urlsplit(target.endpoint(F.COMPLETIONS))
-    body = json.dumps({
+    """POST a token-id prompt to /v1/completions with stream=true and time every chunk.
+    The whole request, stream included, must end within target.timeout_s."""
+    where = target.endpoint(F.COMPLETIONS)
+    body = {
         "model": model,
         "prompt": list(prompt),
         "max_tokens": max_tokens,
@@ -151,51 +176,55 @@ def stream_completion(target: Target, model: str, prompt: list[int] | tuple[int,
         "ignore_eos": ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
-    }).encode()
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if target.token:
-        headers["Authorization"] = f"Bearer {target.token}"
-    conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(u.hostname, u.port, timeout=target.timeout_s)
-    where = f"{u.scheme}://{u.netloc}{u.path}"
+    }
+    max_lines = MAX_LINES_PER_TOKEN * max_tokens + MAX_EXTRA_LINES
     result = StreamResult(started=time.perf_counter())
     try:
-        conn.request("POST", u.path, body=body, headers=headers)
-        resp = conn.getresponse()
-        if resp.status != 200:
-            hint = f" ({API_KEY_HINT})" if resp.status == 401 else ""
-            raise BenchError(f"server failing: {where}: HTTP {resp.status}: {_error_message(resp.read())}{hint}")
-        done = False
-        while not done:
-            line = resp.readline()
-            if not line:
-                break
-            now = time.perf_counter()
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue  # blank separators and SSE comments
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise BenchError(f"{where}: the server failed mid-stream: {_error_message(data)}")
-            if chunk.get("choices"):
-                if result.first_token is None:
-                    result.first_token = now
-                result.chunk_times.append(now)
-            usage = chunk.get("usage")
-            if usage:
-                result.prompt_tokens = usage.get("prompt_tokens")
-                result.completion_tokens = usage.get("completion_tokens")
-        if not done:
-            raise BenchError(f"{where}: the stream ended early (no [DONE]); the server may have died")
+        with http.stream(where, data=body, timeout=target.timeout_s, token=target.token,
+                         headers={"Accept": "text/event-stream"}) as resp:
+            if resp.status != 200:
+                hint = f" ({API_KEY_HINT})" if resp.status == 401 else ""
+                raise BenchError(f"server failing: {where}: HTTP {resp.status}: "
+                                 f"{_error_message(resp.read(64 * 1024))}{hint}")
+            done = False
+            for n, line in enumerate(resp.lines()):
+                if n > max_lines:
+                    raise BenchError(f"{where}: the stream went on past {max_lines} lines for {max_tokens} "
+                                     "tokens; the server ignores max_tokens")
+                now = time.perf_counter()
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue  # blank separators and SSE comments
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    raise BenchError(f"{where}: a stream chunk is not a JSON object: {data[:80]!r}")
+                if "error" in chunk:
+                    raise BenchError(f"{where}: the server failed mid-stream: {_error_message(data)}")
+                choices = chunk.get("choices")
+                if choices is not None and not isinstance(choices, list):
+                    raise BenchError(f"{where}: a stream chunk's choices is not a list: {data[:80]!r}")
+                if choices:
+                    if result.first_token is None:
+                        result.first_token = now
+                    result.chunk_times.append(now)
+                    if len(result.chunk_times) > max_tokens + 1:  # + a closing chunk
+                        raise BenchError(f"{where}: more than {max_tokens} tokens streamed for max_tokens="
+                                         f"{max_tokens}; the server ignores max_tokens")
+                usage = chunk.get("usage")
+                if usage is not None and not isinstance(usage, dict):
+                    raise BenchError(f"{where}: a stream chunk's usage is not a JSON object: {data[:80]!r}")
+                if usage:
+                    result.prompt_tokens = _count(usage.get("prompt_tokens"), "prompt_tokens", where)
+                    result.completion_tokens = _count(usage.get("completion_tokens"), "completion_tokens", where)
+            if not done:
+                raise BenchError(f"{where}: the stream ended early (no [DONE]); the server may have died")
         result.finished = result.chunk_times[-1] if result.chunk_times else time.perf_counter()
-    except (OSError, http.client.HTTPException, socket.timeout) as e:
-        raise BenchError(f"server unreachable or failing: {where}: {getattr(e, 'strerror', None) or e}") from None
+    except HTTPFailure as e:
+        raise BenchError(f"server unreachable or failing: {e}") from None
     except ValueError as e:
         raise BenchError(f"{where}: unreadable answer: {e}") from None
-    finally:
-        conn.close()
     return result

@@ -7,10 +7,11 @@ would show up as a difference in speed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
-from .report import Report, fmt
+from .report import Report, fmt, md
 
 # Parameters that shape the workload; a difference in any of them makes figures incomparable.
 WORKLOAD_PARAMS = ("lengths", "trials", "seed", "max_tokens", "concurrency", "output_len", "input_len",
@@ -68,7 +69,8 @@ def check_comparable(a: Report, b: Report) -> None:
 
 def gain(before: float | None, after: float | None, higher_is_better: bool) -> float | None:
     """Relative improvement: positive is better whichever way the figure points."""
-    if before is None or after is None or before <= 0 or after <= 0:
+    if before is None or after is None or not math.isfinite(before) or not math.isfinite(after) \
+            or before <= 0 or after <= 0:
         return None
     return after / before - 1 if higher_is_better else before / after - 1
 
@@ -87,17 +89,17 @@ def table(a: Report, b: Report) -> str:
     sa = {getattr(s, key): s for s in a.summary}
     sb = {getattr(s, key): s for s in b.summary}
     keys = [k for k in sa if k in sb]
-    la, lb = a.label, b.label
+    la, lb = md(a.label), md(b.label)
     if la == lb:
         la, lb = f"{la} (A)", f"{lb} (B)"
     lines = [
         f"# dspark bench compare ({a.kind}): {la} -> {lb}",
         "",
-        f"- before: {a.label}, vLLM {a.server.get('runtime_version')}, started {a.started_at}"
+        f"- before: {la}, vLLM {md(a.server.get('runtime_version'))}, started {md(a.started_at)}"
         + ("" if a.complete else " (INCOMPLETE)"),
-        f"- after: {b.label}, vLLM {b.server.get('runtime_version')}, started {b.started_at}"
+        f"- after: {lb}, vLLM {md(b.server.get('runtime_version'))}, started {md(b.started_at)}"
         + ("" if b.complete else " (INCOMPLETE)"),
-        f"- identical prompts: SHA-256 `{a.prompt_set_sha256}`",
+        f"- identical prompts: SHA-256 {md(a.prompt_set_sha256)}",
         "- gain: positive is better (throughput up, latency down)",
         "",
         f"| {what} | figure | {la} | {lb} | gain |",

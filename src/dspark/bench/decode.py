@@ -23,6 +23,11 @@ from .progress import Progress, or_silent
 from .report import DecodeLevel, DecodeRequest, Report, now_iso
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
+# One thread (and one connection) per stream: beyond this a client machine runs out of
+# threads or sockets before the server is measured. Requests per level are capped likewise
+# (every prompt is generated up front).
+MAX_CONCURRENCY = 1024
+MAX_REQUESTS_PER_LEVEL = 100_000
 PURPOSE = "decode"
 
 
@@ -40,12 +45,18 @@ class DecodeSpec:
     def check(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise BenchError(f"concurrency levels must be positive: {list(self.concurrency)}")
+        if max(self.concurrency) > MAX_CONCURRENCY:
+            raise BenchError(f"concurrency {max(self.concurrency)} is more than {MAX_CONCURRENCY} streams "
+                             "(one thread and connection each); use a smaller level")
         if self.output_len < 2:
             raise BenchError("output length must be at least 2 tokens (decode starts after the first)")
         if self.input_len < 1:
             raise BenchError("input length must be positive")
         if self.rounds < 1:
             raise BenchError("rounds must be at least 1")
+        if max(self.concurrency) * self.rounds > MAX_REQUESTS_PER_LEVEL:
+            raise BenchError(f"concurrency x rounds = {max(self.concurrency) * self.rounds} requests in one level; "
+                             f"at most {MAX_REQUESTS_PER_LEVEL} (lower --rounds)")
 
     def level_prompts(self, concurrency: int) -> list[prompts.Prompt]:
         return [prompts.make(self.seed, f"{PURPOSE}-c{concurrency}", self.input_len, i)

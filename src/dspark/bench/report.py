@@ -10,10 +10,14 @@ written after every trial: a run that fails half-way keeps what it measured
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import os
 import re
 import socket
+import types
+import typing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -153,22 +157,24 @@ class Report:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "report") -> "Report":
+        """Check every field against its declared type (finite numbers only) and refuse the
+        report with the first wrong field named: a hand-edited or foreign file never reaches
+        the comparison as a traceback."""
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise ReportError(f"{source}: not a dspark bench report (no schema {SCHEMA!r})")
         version = data.get("schema_version")
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
-            raise ReportError(f"{source}: report schema version {version!r}; this dspark reads up to "
-                              f"{SCHEMA_VERSION} (upgrade dspark)")
+        if version != SCHEMA_VERSION or isinstance(version, bool):
+            raise ReportError(f"{source}: report schema version {version!r}; this dspark reads version "
+                              f"{SCHEMA_VERSION} (for a newer report, upgrade dspark)")
         kind = data.get("kind")
         if kind not in KINDS:
             raise ReportError(f"{source}: unknown report kind {kind!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        try:
-            report = cls(**{k: v for k, v in data.items() if k in names})
-            report.trials = [_typed(TRIAL_TYPES[kind], t) for t in data.get("trials", [])]
-            report.summary = [_typed(SUMMARY_TYPES[kind], s) for s in data.get("summary", [])]
-        except TypeError as e:
-            raise ReportError(f"{source}: malformed report: {e}") from None
+        report = cls(**_typed(cls, data, source, skip=("trials", "summary")))
+        for name, types_ in (("trials", TRIAL_TYPES), ("summary", SUMMARY_TYPES)):
+            items = data.get(name, [])
+            if not isinstance(items, list):
+                raise ReportError(f"{source}: {name}: expected a list, got {type(items).__name__}")
+            setattr(report, name, [_typed(types_[kind], x, f"{source}: {name}[{i}]") for i, x in enumerate(items)])
         return report
 
     def save(self, path: Path) -> Path:
@@ -191,9 +197,72 @@ class Report:
         return cls.from_dict(data, source=str(path))
 
 
-def _typed(cls: type, data: dict):
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})
+def _fits(value: Any, tp: Any) -> bool:
+    """Whether a JSON value fits a field's declared type (numbers finite, bools not numbers)."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is Any:
+        return True
+    if origin is list or tp is list:
+        args = typing.get_args(tp)
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+    if origin is dict or tp is dict:
+        return isinstance(value, dict)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, tp)
+
+
+def _typed(cls: type, data: Any, where: str, skip: tuple[str, ...] = ()):
+    if not isinstance(data, dict):
+        raise ReportError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ReportError(f"{where}: malformed report: {f.name} is missing")
+            continue
+        value = data[f.name]
+        if not _fits(value, hints[f.name]):
+            raise ReportError(f"{where}: malformed report: {f.name} = {json.dumps(value)[:60]} is not "
+                              f"{_type_words(hints[f.name])}")
+        kwargs[f.name] = value
+    return cls(**kwargs) if not skip else kwargs
+
+
+def _type_words(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_type_words(a) for a in typing.get_args(tp))
+    if origin is list or tp is list:
+        args = typing.get_args(tp)
+        return f"a list of {_type_words(args[0])}" if args else "a list"
+    return {type(None): "null", bool: "true or false", int: "a whole number", float: "a finite number",
+            str: "a string", dict: "an object"}.get(tp, str(tp))
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~])")
+
+
+def _hex(text: str) -> str:
+    return text if re.fullmatch(r"[0-9a-f]*", text) else md(text)
+
+
+def md(text: Any) -> str:
+    """Text from a report (a label, a host, an error) made inert in Markdown: one line, every
+    Markdown punctuation character escaped, so it cannot add table cells, links or HTML."""
+    one_line = " ".join(str(text).split())
+    return _MD_SPECIAL.sub(r"\\\1", one_line)
 
 
 # ------------------------------------------------------------------------------------ files
@@ -208,34 +277,41 @@ class ReportPaths:
 
 
 def paths(out_dir: Path, kind: str, label: str) -> ReportPaths:
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "run"
-    stem = Path(out_dir) / f"{kind}-{safe}"
-    return ReportPaths(stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png"))
+    """The report's files: `{kind}-{label}.json/.md/.png`. A label with characters unsafe in a
+    file name is cleaned and given a short hash of the full label, so two labels never share
+    files (`v0.28.0` and `v0.28.1`, `a b` and `a_b`)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_.") or "run"
+    if safe != label:
+        safe += "-" + hashlib.sha256(label.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    stem = f"{kind}-{safe}"
+    out = Path(out_dir)
+    return ReportPaths(out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png")
 
 
 # --------------------------------------------------------------------------------- markdown
 def fmt(v: float | None, digits: int = 1) -> str:
-    if v is None:
+    if v is None or not math.isfinite(v):
         return "n/a"
     return f"{v:,.{digits}f}"
 
 
 def ms(v: float | None) -> str:
-    return "n/a" if v is None else f"{v * 1000:,.1f}"
+    return "n/a" if v is None or not math.isfinite(v) else f"{v * 1000:,.1f}"
 
 
 def _header(r: Report) -> list[str]:
     s = r.server
-    status = "complete" if r.complete else f"INCOMPLETE: {r.error or 'stopped early'}"
+    status = "complete" if r.complete else f"INCOMPLETE: {md(r.error or 'stopped early')}"
     lines = [
-        f"# dspark bench {r.kind}: {r.label}",
+        f"# dspark bench {r.kind}: {md(r.label)}",
         "",
-        f"- server: {s.get('url')} model `{s.get('model')}`, vLLM {s.get('runtime_version') or 'unknown'}, "
-        f"max_model_len {s.get('max_model_len')}",
-        f"- client: {r.host}, dspark {r.dspark_version}; started {r.started_at}, finished {r.finished_at or '-'}",
+        f"- server: {md(s.get('url'))} model {md(s.get('model'))}, vLLM {md(s.get('runtime_version') or 'unknown')}, "
+        f"max_model_len {md(s.get('max_model_len'))}",
+        f"- client: {md(r.host)}, dspark {md(r.dspark_version)}; started {md(r.started_at)}, "
+        f"finished {md(r.finished_at or '-')}",
         f"- status: {status}",
-        f"- prompt set SHA-256: `{r.prompt_set_sha256}`",
-        "- parameters: " + ", ".join(f"{k}={v}" for k, v in r.params.items()),
+        f"- prompt set SHA-256: `{_hex(r.prompt_set_sha256)}`",
+        "- parameters: " + ", ".join(f"{md(k)}={md(v)}" for k, v in r.params.items()),
         "",
     ]
     return lines

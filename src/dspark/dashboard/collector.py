@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ from pathlib import Path
 from .. import agent as A
 from .. import vllm_facts as F
 from ..config import Cluster
-from ..http import HTTPFailure, request
+from ..http import HTTPFailure, get_object, request
 from .. import hardware
 from . import rates
 from .metrics import MetricsError, Scrape, parse
@@ -179,19 +177,12 @@ class Collector:
             return None, str(e)
 
     def _fetch_agent(self, url: str) -> AgentAnswer:
-        # urllib directly (not dspark.http): a refused connection must stay distinguishable
+        # a refused connection stays distinguishable (HTTPFailure.refused): the supervisor is gone
         try:
-            with urllib.request.urlopen(url.rstrip("/") + "/state", timeout=self.timeout_s) as r:
-                s = json.loads(r.read())
-            if isinstance(s, dict) and isinstance(s.get("state"), str):
-                return AgentAnswer(s)
-        except urllib.error.URLError as e:
-            return AgentAnswer(None, refused=isinstance(e.reason, ConnectionRefusedError))
-        except ConnectionRefusedError:
-            return AgentAnswer(None, refused=True)
-        except (OSError, ValueError):
-            pass
-        return AgentAnswer(None)
+            s = get_object(url.rstrip("/") + "/state", timeout=self.timeout_s)
+        except HTTPFailure as e:
+            return AgentAnswer(None, refused=e.refused)
+        return AgentAnswer(s if isinstance(s.get("state"), str) else None)
 
     def _vllm_version(self, agents: dict) -> str | None:
         for n in self.targets.nodes:  # the agents know it already: no extra request to vLLM
