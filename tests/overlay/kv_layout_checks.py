@@ -357,8 +357,10 @@ SCENARIOS = (
     ("decode 1 seq, target verify (6 rows)", 1, 6, (), True),
     ("decode 10 seqs, target verify (60 rows)", 10, 6, (), True),
     ("decode 12 seqs, target verify (72 rows)", 12, 6, (), True),
-    ("decode 1 seq, DSpark draft (6 rows)", 1, 6, (), False),
-    ("decode 12 seqs, DSpark draft (72 rows)", 12, 6, (), False),
+    # DSpark drafts sample from the anchor: k=5 query rows per request.
+    ("decode 1 seq, DSpark draft (5 rows)", 1, 5, (), False),
+    ("decode 12 seqs, DSpark draft (60 rows)", 12, 5, (), False),
+    ("decode 13 seqs, DSpark draft (65 rows)", 13, 5, (), False),
     ("decode 1 seq, no speculation (1 row)", 1, 1, (), True),
     ("prefill 2 tokens", 0, 1, (2,), True),
     ("prefill 64 tokens", 0, 1, (64,), True),
@@ -377,6 +379,7 @@ def run_widths(layers: Layers, fi) -> tuple[list[str], list[dict]]:
     A = flashinfer_sparse.DeepseekV4FlashInferSM120Attention
     A._get_workspace = staticmethod(lambda device: torch.empty(0, dtype=torch.uint8))
     errors = []
+    rows: dict[str, set[int]] = {}
     hf = layers.vc.model_config.hf_config
     # One layer of each kind (SWA-only, C4A, C128A target layers; DSpark draft
     # layers): layers of a kind share their builders' index buffers.
@@ -406,10 +409,12 @@ def run_widths(layers: Layers, fi) -> tuple[list[str], list[dict]]:
             else:
                 if len(recorder.calls) == before:
                     errors.append(f"{name}, ratio {layer.compress_ratio}: no FlashInfer call")
+                rows.setdefault(name, set()).update(
+                    c["tokens"] for c in recorder.calls[before:])
             for why in recorder.refusals:
                 errors.append(f"{name}, ratio {layer.compress_ratio}: {why}")
             recorder.refusals.clear()
-    return sorted(set(errors)), recorder.calls
+    return sorted(set(errors)), recorder.calls, {k: sorted(v) for k, v in rows.items()}
 
 
 def main() -> None:
@@ -435,9 +440,10 @@ def main() -> None:
                     problems = [traceback.format_exc()]
                 results[f"{key}: {check.__name__[6:]}"] = "\n".join(problems) or "ok"
             try:
-                problems, calls = run_widths(layers, fi)
+                problems, calls, rows = run_widths(layers, fi)
             except Exception:
-                problems, calls = [traceback.format_exc()], []
+                problems, calls, rows = [traceback.format_exc()], [], {}
+            results[f"{key}: rows seen"] = json.dumps(rows)
             results[f"{key}: index widths"] = "\n".join(problems) or "ok"
             widths = sorted({(c["tokens"] <= fi.decode_max_tokens, c["topk"], c["extra_topk"])
                              for c in calls}, key=str)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 PATCHED_MODULES = (
     "vllm.utils.spark_sm12x",
+    "vllm.utils.spark_sm12x_attn",
     "vllm.config.cache",
     "vllm.config.vllm",
     "vllm.utils.torch_utils",
@@ -189,19 +190,18 @@ def check_flashinfer_backend(site: Path) -> None:
     assert sm121 is None or "kv_cache_dtype" not in sm121, sm121
     # Head ladder (stock v0.28.0): TP=2 -> 32 heads per rank stay 32.
     assert [A.get_padded_num_q_heads(h) for h in (8, 16, 32, 64)] == [8, 16, 32, 64]
-    # The bridge methods of the SM120 class, on CPU tensors.
-    import torch
+    # Index widths the SM120 class pads to (kv_layout_checks runs the class
+    # itself through vLLM's packing; this is the width rule alone).
+    from vllm.utils.spark_sm12x_attn import Sm12xIndexWidthError, decode_index_width
 
-    layer = object.__new__(A)
-    layer.kv_cache_dtype = "nvfp4_ds_mla"
-    cache = torch.zeros(2, 256, 584, dtype=torch.uint8)
-    view = layer._sparse_cache(cache)
-    assert view.shape == (8, 64, 1, 584) and view.data_ptr() == cache.data_ptr()
-    idx = torch.zeros(3, 1, 192, dtype=torch.int32)
-    assert layer._sparse_indices(idx).shape == (3, 1, 512)
-    layer.kv_cache_dtype = "fp8_ds_mla"  # stock path untouched
-    assert layer._sparse_cache(cache).shape == (2, 256, 1, 584)
-    assert layer._sparse_indices(idx) is idx
+    assert [decode_index_width(w, (128, 512, 1024)) for w in (128, 192, 512)] == [
+        128, 512, 512]
+    try:
+        decode_index_width(1025, (128, 512, 1024))
+    except Sm12xIndexWidthError as e:
+        assert "1025" in str(e) and "1024" in str(e)
+    else:
+        raise AssertionError("width 1025 accepted")
 
 
 def check_b12x_backend(site: Path) -> None:
@@ -298,11 +298,40 @@ def check_dspark_capture_sizes(site: Path) -> None:
     got.append(999)
     assert shared.compilation_config.cudagraph_capture_sizes == sizes[:10]
     on = dspark_capture_config(shared, 5, sm12x=True)
-    assert on.compilation_config.cudagraph_capture_sizes == [6, 24, 36]
-    assert on.compilation_config.max_cudagraph_capture_size == 36
+    # Whole blocks of the snapped q_len (5 -> 6), none above the largest size.
+    assert on.compilation_config.cudagraph_capture_sizes == [6, 12, 24, 36, 48, 72]
+    assert on.compilation_config.max_cudagraph_capture_size == 72
+    # The v0.28.0 Spark line's own case.
+    seed = VllmConfig()
+    seed.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8, 16, 24, 32, 36]
+    got = dspark_capture_config(seed, 6, sm12x=True).compilation_config
+    assert got.cudagraph_capture_sizes == [6, 12, 18, 24, 36]
     assert shared.compilation_config.cudagraph_capture_sizes == sizes[:10]
     assert shared.compilation_config.max_cudagraph_capture_size == 72
     assert on.scheduler_config is shared.scheduler_config
+    # init_cudagraph_manager hands the manager the snapped q_len and restores it.
+    import vllm.v1.worker.gpu.spec_decode.dspark.speculator as sp
+
+    seen = {}
+
+    def fake_super(self, mode):
+        seen["q_len"] = self.num_query_per_req
+        seen["sizes"] = self.vllm_config.compilation_config.cudagraph_capture_sizes
+
+    spec = object.__new__(DSparkSpeculator)
+    spec.vllm_config, spec.num_query_per_req = shared, 5
+    base = DSparkSpeculator.__mro__[1]
+    saved = base.init_cudagraph_manager
+    base.init_cudagraph_manager = fake_super
+    try:
+        _with_family(120, lambda: spec.init_cudagraph_manager(None))
+        assert seen == {"q_len": 6, "sizes": [6, 12, 24, 36, 48, 72]}, seen
+        assert spec.num_query_per_req == 5 and spec.vllm_config is shared
+        _with_family(None, lambda: spec.init_cudagraph_manager(None))
+        assert seen["q_len"] == 5 and seen["sizes"] == sizes[:10]
+    finally:
+        base.init_cudagraph_manager = saved
+    assert sp.dspark_capture_config is dspark_capture_config
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()

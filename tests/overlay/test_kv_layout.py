@@ -75,9 +75,24 @@ def test_c128a_widths_reach_flashinfer_unpadded(layout_results):
         assert c128a in extra and 512 in extra, (max_len, seen)
 
 
+def test_short_calls_reach_flashinfer_with_gb10_row_counts(layout_results):
+    # Seed 000: decode q_len snapping and the 2 -> 6 prefill pad, applied at the
+    # FlashInfer call of real batches (rows = query rows FlashInfer receives).
+    rows = json.loads(layout_results["nvfp4_ds_mla max_model_len=350000: rows seen"])
+    assert rows["prefill 2 tokens"] == [6]
+    assert rows["decode 1 seq, DSpark draft (5 rows)"] == [6]
+    assert rows["decode 1 seq, no speculation (1 row)"] == [1]
+    assert rows["decode 1 seq, target verify (6 rows)"] == [6]
+    assert rows["decode 10 seqs, target verify (60 rows)"] == [60]
+    assert rows["prefill 100 tokens"] == [100]
+
+
 def test_stock_vllm_fails_the_dspark_draft_width(stock_site, flashinfer):
     # Stock 0.28.0 hands the DSpark draft's 192-wide SWA indices to a FlashInfer
     # that has no 192 kernel: the checks must see that.
     results = run_layout_checks(stock_site, ("fp8_ds_mla",))
     widths = results["fp8_ds_mla max_model_len=350000: index widths"]
     assert "topk=192" in widths, widths
+    # and it launches 2-row prefills as they come.
+    rows = json.loads(results["fp8_ds_mla max_model_len=350000: rows seen"])
+    assert rows["prefill 2 tokens"] == [2], rows
