@@ -12,7 +12,9 @@ import difflib
 import ipaddress
 import math
 import os
+import re
 import socket
+import stat
 import tomllib
 import types
 import typing
@@ -22,8 +24,13 @@ from typing import Any
 
 DEFAULT_CONFIG_PATH = Path("/etc/dspark/cluster.toml")
 PLACEHOLDER = "CHANGEME"
-SECRET_ENV_KEYS = ("VLLM_API_KEY", "DSPARK_API_KEY", "HF_TOKEN")
 GIB = 1024**3
+# The file itself: a regular file of at most this size, UTF-8, nested at most this deep.
+MAX_FILE_BYTES = 1024 * 1024
+MAX_DEPTH = 8
+# Environment names: what a POSIX shell can assign and systemd's Environment= accepts.
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+DAY_S = 86400.0
 
 
 class ConfigError(Exception):
@@ -40,9 +47,12 @@ class ConfigError(Exception):
         return "\n".join([head] + [f"  - {p}" for p in self.problems])
 
 
-def _f(default: Any = dataclasses.MISSING, *, help: str, example: Any = None, factory: Any = None):
-    """Declare a config field: its default, help text and an example for error messages."""
-    meta = {"help": help, "example": example}
+def _f(default: Any = dataclasses.MISSING, *, help: str, example: Any = None, factory: Any = None,
+       bounds: tuple[float, float] | None = None, positive: bool = False):
+    """Declare a config field: its default, help text, an example for error messages and, for a
+    number, its range: `bounds` (lo, hi), both included, or `positive` for (0, hi]. Every number
+    must also be finite: the ranges are the one policy, checked in `check_ranges`."""
+    meta = {"help": help, "example": example, "bounds": bounds, "positive": positive}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -84,22 +94,26 @@ class ModelConfig:
 class ServingConfig:
     vllm_command: list[str] = _f(help="Command that runs vLLM's CLI on every node (argv prefix before 'serve').",
                                  example=["vllm"], factory=lambda: ["vllm"])
-    tensor_parallel_size: int = _f(2, help="Tensor parallel size: nodes x GPUs per node.", example=2)
-    pipeline_parallel_size: int = _f(1, help="Pipeline parallel size.", example=1)
-    gpus_per_node: int = _f(1, help="GPUs on each node (one GB10 per DGX Spark).", example=1)
+    tensor_parallel_size: int = _f(2, help="Tensor parallel size: nodes x GPUs per node.", example=2,
+                                   bounds=(1, 1024))
+    pipeline_parallel_size: int = _f(1, help="Pipeline parallel size.", example=1, bounds=(1, 1024))
+    gpus_per_node: int = _f(1, help="GPUs on each node (one GB10 per DGX Spark).", example=1, bounds=(1, 64))
     usable_memory_gib: float = _f(121.0, help="Usable GPU (unified) memory of one GPU, GiB; the plan's budget.",
-                                  example=121.0)
-    max_model_len: int = _f(350000, help="Longest context (prompt + output) in tokens.", example=350000)
-    max_num_seqs: int = _f(12, help="Requests decoded at once.", example=12)
-    max_num_batched_tokens: int = _f(8192, help="Tokens per scheduler step (chunked prefill).", example=8192)
+                                  example=121.0, bounds=(0, 16384), positive=True)
+    max_model_len: int = _f(350000, help="Longest context (prompt + output) in tokens.", example=350000,
+                            bounds=(1, 1 << 24))
+    max_num_seqs: int = _f(12, help="Requests decoded at once.", example=12, bounds=(1, 65536))
+    max_num_batched_tokens: int = _f(8192, help="Tokens per scheduler step (chunked prefill).", example=8192,
+                                     bounds=(1, 1 << 24))
     gpu_memory_utilization: float | None = _f(
-        0.78, help="Share of each GPU's memory vLLM may use (0 < x <= 1).", example=0.78)
+        0.78, help="Share of each GPU's memory vLLM may use (0 < x <= 1).", example=0.78, bounds=(0, 1),
+        positive=True)
     kv_cache_memory_bytes: int | None = _f(
         None, help="KV-cache bytes per GPU; when set, vLLM uses it instead of gpu_memory_utilization.",
-        example=12 * GIB)
+        example=12 * GIB, bounds=(1, 1 << 50))
     kv_cache_dtype: str | None = _f("nvfp4_ds_mla", help="KV-cache dtype (nvfp4_ds_mla needs the Spark overlay).",
                                     example="nvfp4_ds_mla")
-    block_size: int | None = _f(256, help="KV-cache block size in tokens.", example=256)
+    block_size: int | None = _f(256, help="KV-cache block size in tokens.", example=256, bounds=(1, 65536))
     speculative_config: dict | None = _f(
         help="vLLM --speculative-config as a table; omit for none.",
         example=SEED_SPECULATIVE, factory=lambda: dict(SEED_SPECULATIVE))
@@ -109,7 +123,8 @@ class ServingConfig:
     moe_backend: str | None = _f("flashinfer_b12x", help="MoE experts backend (flashinfer_b12x needs the overlay).",
                                  example="flashinfer_b12x")
     max_cudagraph_capture_size: int | None = _f(
-        None, help="CUDA-graph capture size; default max_num_seqs x (speculative tokens + 1).", example=72)
+        None, help="CUDA-graph capture size; default max_num_seqs x (speculative tokens + 1).", example=72,
+        bounds=(1, 1 << 20))
     load_format: str | None = _f(None, help="vLLM --load-format ('dummy' gives random weights).", example="auto")
     skip_tokenizer_init: bool = _f(False, help="Serve token-id prompts only, without a tokenizer.", example=False)
     extra_args: list[str] = _f(help="More vLLM arguments, appended as written.", example=["--enforce-eager"],
@@ -132,33 +147,36 @@ class ServingConfig:
 @dataclass(frozen=True)
 class SupervisorConfig:
     ready_timeout_s: float = _f(1800.0, help="Give up (exit 'never ready') if vLLM is not serving by then.",
-                                example=1800.0)
+                                example=1800.0, bounds=(0, DAY_S), positive=True)
     liveness_interval_s: float = _f(5.0, help="Seconds between real 1-token liveness completions on the head.",
-                                    example=5.0)
+                                    example=5.0, bounds=(0, 3600.0), positive=True)
     liveness_timeout_s: float = _f(10.0, help="A liveness completion slower than this counts as failed.",
-                                   example=10.0)
-    liveness_failures: int = _f(2, help="Consecutive failed liveness checks before the head gives up.", example=2)
+                                   example=10.0, bounds=(0, 3600.0), positive=True)
+    liveness_failures: int = _f(2, help="Consecutive failed liveness checks before the head gives up.", example=2,
+                                bounds=(1, 1000))
     stall_s: float = _f(
         180.0, help="While requests run or wait, the head's engine is alive as long as vLLM's token counters "
                     "or KV-cache usage move (no 1-token probe then: it would queue behind the load); nothing "
                     "moving for this long is a stall (a wedged collective) and stops the pair. Above the "
                     "slowest engine step (an 8192-token prefill chunk takes seconds on two GB10 nodes at "
                     "about 2,000 prompt tok/s) and below vLLM's own 300 s step timeout.",
-        example=180.0)
-    stop_grace_s: float = _f(30.0, help="Seconds vLLM gets after SIGTERM before SIGKILL.", example=30.0)
+        example=180.0, bounds=(0, DAY_S), positive=True)
+    stop_grace_s: float = _f(30.0, help="Seconds vLLM gets after SIGTERM before SIGKILL.", example=30.0,
+                             bounds=(0, 3600.0), positive=True)
     head_lost_s: float = _f(10.0, help="A serving worker leaves once the head's agent is unreachable this long.",
-                            example=10.0)
+                            example=10.0, bounds=(0, DAY_S), positive=True)
     rendezvous_timeout_s: float = _f(900.0, help="A worker leaves if the head has not come up by then.",
-                                     example=900.0)
+                                     example=900.0, bounds=(0, DAY_S), positive=True)
     worker_wait_timeout_s: float = _f(900.0, help="How long 'dspark wait-worker' waits for the worker.",
-                                      example=900.0)
+                                      example=900.0, bounds=(0, DAY_S), positive=True)
 
 
 @dataclass(frozen=True)
 class NodeConfig:
     name: str = _f(help="Node name; a process finds its entry by this (default: the host name).",
                    example="spark-a")
-    rank: int = _f(help="Node rank: 0 is the head (serves the API), others are headless workers.", example=0)
+    rank: int = _f(help="Node rank: 0 is the head (serves the API), others are headless workers.", example=0,
+                   bounds=(0, 1023))
     address: str = _f(help="This node's address on the dedicated fabric (VLLM_HOST_IP).", example="192.168.100.10")
     socket_ifname: str | None = _f(None, help="Fabric interface for NCCL/Gloo/TP sockets.", example="enp1s0f0np0")
     rdma_device: str | None = _f(None, help="RDMA device for NCCL_IB_HCA.", example="rocep1s0f0")
@@ -247,7 +265,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(_TOML_ESCAPES.get(ch) or (f"\\u{ord(ch):04x}" if _control(ch) else ch)
+                             for ch in value) + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
@@ -257,8 +276,17 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
+
+
+def _control(ch: str) -> bool:
+    """Characters TOML does not allow as they are in a basic string."""
+    return ord(ch) < 0x20 or ord(ch) == 0x7F
+
+
 def _toml_key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else _toml_value(key)
+    bare = key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key)
+    return key if bare else _toml_value(key)
 
 
 def _check_type(value: Any, tp: Any) -> bool:
@@ -300,6 +328,14 @@ def _build(cls: type, table: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{where}.{key}: expected {_type_name(hints[key])}, got {got}; "
                             f"write e.g. {key} = {_toml_value(example)}")
             continue
+        if _has_nul(value):
+            problems.append(f"{where}.{key}: contains a NUL character, which no command line, environment "
+                            "or path can carry; remove it")
+            continue
+        if hints[key] is float and isinstance(value, int) and not -2**53 <= value <= 2**53:
+            problems.append(f"{where}.{key}: a {len(str(abs(value)))}-digit number is out of range; "
+                            f"write e.g. {key} = {_toml_value(example)}")
+            continue
         if _has_placeholder(value):
             problems.append(f"{where}.{key}: still the placeholder {PLACEHOLDER}; {f.metadata['help']} "
                             f"Write e.g. {key} = {_toml_value(example)}")
@@ -321,6 +357,16 @@ def _toml_value_safe(value: Any) -> str:
         return _toml_value(value)
     except TypeError:
         return repr(value)
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    return False
 
 
 def _has_placeholder(value: Any) -> bool:
@@ -368,41 +414,39 @@ def check(c: Cluster) -> list[str]:
     """Contradictions between fields: each returned line names the fields and the fix."""
     p: list[str] = []
     s, sup = c.serving, c.supervisor
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "gpus_per_node", "max_model_len",
-                 "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(s, name) < 1:
-            p.append(f"serving.{name}: must be at least 1, got {getattr(s, name)}")
-    if s.gpu_memory_utilization is not None and not 0 < s.gpu_memory_utilization <= 1:
-        p.append(f"serving.gpu_memory_utilization: must be in (0, 1], got {s.gpu_memory_utilization}; "
-                 "write e.g. gpu_memory_utilization = 0.78")
-    if s.kv_cache_memory_bytes is not None and s.kv_cache_memory_bytes <= 0:
-        p.append("serving.kv_cache_memory_bytes: must be positive; remove it to use gpu_memory_utilization")
+    p += check_ranges(c)
     if s.gpu_memory_utilization is None and s.kv_cache_memory_bytes is None:
         p.append("serving: set gpu_memory_utilization or kv_cache_memory_bytes")
-    if s.usable_memory_gib <= 0:
-        p.append("serving.usable_memory_gib: must be positive; one GB10 offers about 121")
-    if s.block_size is not None and (s.block_size < 1 or s.block_size & (s.block_size - 1)):
+    if s.block_size is not None and s.block_size >= 1 and s.block_size & (s.block_size - 1):
         p.append(f"serving.block_size: must be a power of two, got {s.block_size}")
     if s.speculative_config is not None:
         n = s.speculative_config.get("num_speculative_tokens", 0)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            p.append("serving.speculative_config.num_speculative_tokens: must be a whole number >= 0")
-    for name in ("ready_timeout_s", "liveness_interval_s", "liveness_timeout_s", "stop_grace_s", "head_lost_s",
-                 "rendezvous_timeout_s", "worker_wait_timeout_s", "stall_s"):
-        if not math.isfinite(getattr(sup, name)) or getattr(sup, name) <= 0:
-            p.append(f"supervisor.{name}: must be a positive, finite number of seconds, got {getattr(sup, name)}")
-    if math.isfinite(sup.stall_s) and sup.stall_s < 2 * sup.liveness_interval_s:
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64:
+            p.append("serving.speculative_config.num_speculative_tokens: must be a whole number in [0, 64]")
+        bad = _not_json(s.speculative_config, "serving.speculative_config", 1)
+        if bad:
+            p.append(bad)
+    if math.isfinite(sup.stall_s) and math.isfinite(sup.liveness_interval_s) \
+            and sup.stall_s < 2 * sup.liveness_interval_s:
         p.append(f"supervisor.stall_s: must be at least twice liveness_interval_s ({sup.liveness_interval_s:g} s): "
                  f"a stall is seen by comparing readings taken an interval apart; got {sup.stall_s:g}")
-    if sup.liveness_failures < 1:
-        p.append("supervisor.liveness_failures: must be at least 1")
 
-    # The cluster file is world-readable (and in the Nix store on NixOS): no secrets in it.
+    # The cluster file is world-readable (and in the Nix store on NixOS): no secrets in it
+    # (dspark.secret_policy says what counts as one).
+    from .secret_policy import is_secret_env, secret_args
+
     for where, env in [("serving.env", s.env)] + [(f"nodes ({n.name}).env", n.env) for n in c.nodes]:
         for key in env:
-            if key in SECRET_ENV_KEYS:
+            if not ENV_NAME.fullmatch(key):
+                p.append(f"{where}: {key!r} is not an environment variable name (letters, digits and _, "
+                         "not starting with a digit)")
+            elif is_secret_env(key):
                 p.append(f"{where}.{key}: a secret does not belong in the cluster file; put it in the "
                          "service's environment file (DSPARK_API_KEY=...) or the 'api-key' credential")
+    for flag in secret_args(s.extra_args):
+        p.append(f"serving.extra_args: {flag} takes a secret, which does not belong in the cluster file nor on "
+                 "vLLM's command line (ps shows it); the API key goes in the 'api-key' credential or "
+                 "DSPARK_API_KEY in the service's environment file")
     names = [n.name for n in c.nodes]
     for dup in sorted({x for x in names if names.count(x) > 1}):
         p.append(f"nodes: the name {dup!r} is used by more than one node; give each node its own name")
@@ -433,6 +477,9 @@ def check(c: Cluster) -> list[str]:
             p.append(f"{where}.role: rank 0 is the head; set role = \"head\" or give this node another rank")
         if n.gid_index is not None and n.gid_index != "auto" and not n.gid_index.isdigit():
             p.append(f"{where}.gid_index: must be a number or \"auto\", got {n.gid_index!r}")
+        if n.gid_index == "auto" and _is_ipv6(n.address):
+            p.append(f"{where}.gid_index: \"auto\" finds the RoCEv2 GID of an IPv4 address, and {n.address} is "
+                     "IPv6; give the GID index as a number (show_gids lists them)")
         if n.gid_index is not None and n.rdma_device is None:
             p.append(f"{where}.gid_index: needs rdma_device (the GID belongs to an RDMA device)")
         for key in ("api_port", "master_port", "agent_port"):
@@ -456,19 +503,116 @@ def check(c: Cluster) -> list[str]:
     return p
 
 
-def load(path: str | os.PathLike | None = None) -> Cluster:
-    """Read and validate the cluster file ($DSPARK_CONFIG or /etc/dspark/cluster.toml by default)."""
-    path = Path(path or os.environ.get("DSPARK_CONFIG") or DEFAULT_CONFIG_PATH)
+def check_ranges(c: Cluster) -> list[str]:
+    """Every number is finite and within its declared range (the `bounds` of its field)."""
+    p: list[str] = []
+    parts = [(name, getattr(c, name)) for name in _SECTIONS] + [(f"nodes[{i}] ({n.name})", n)
+                                                               for i, n in enumerate(c.nodes)]
+    for where, obj in parts:
+        for f in dataclasses.fields(obj):
+            value, bounds = getattr(obj, f.name), f.metadata.get("bounds")
+            if bounds is None or value is None or isinstance(value, bool):
+                continue
+            lo, hi = bounds
+            positive = f.metadata.get("positive")
+            ok = math.isfinite(value) and (lo < value if positive else lo <= value) and value <= hi
+            if ok:
+                continue
+            if f.name.endswith("_s"):
+                what = f"a positive, finite number of seconds (at most {hi:g})"
+            elif isinstance(value, int):
+                what = f"a whole number in [{lo:g}, {hi:g}]"
+            else:
+                what = f"in {'(' if positive else '['}{lo:g}, {hi:g}] (a finite number)"
+            p.append(f"{where}.{f.name}: must be {what}, got {value}; write e.g. "
+                     f"{f.name} = {_toml_value(f.metadata.get('example'))}")
+    return p
+
+
+def _is_ipv6(address: str) -> bool:
     try:
-        text = path.read_text()
+        return ipaddress.ip_address(address).version == 6
+    except ValueError:
+        return False
+
+
+def _not_json(value: Any, where: str, depth: int) -> str | None:
+    """Why a table cannot be passed to vLLM as JSON (a TOML date, an infinite number, too deep)."""
+    if depth > MAX_DEPTH:
+        return f"{where}: nested more than {MAX_DEPTH} levels deep"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            why = _not_json(v, f"{where}.{k}", depth + 1)
+            if why:
+                return why
+        return None
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            why = _not_json(v, f"{where}[{i}]", depth + 1)
+            if why:
+                return why
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where}: {value} is not a finite number"
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return None
+    return f"{where}: a TOML {type(value).__name__} cannot be passed to vLLM; write it as a string or a number"
+
+
+def _read_text(path: Path) -> str:
+    """The file's text: a regular file (not a FIFO or a device: opened without blocking and
+    refused), at most MAX_FILE_BYTES, UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ConfigError([f"file not found; create one with: dspark config init {path}"], str(path)) from None
     except OSError as e:
         raise ConfigError([f"cannot read: {e.strerror}"], str(path)) from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(["not a regular file (a directory, FIFO or device); point --config at the "
+                               "cluster file itself"], str(path))
+        data = b""
+        while len(data) <= MAX_FILE_BYTES:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    except OSError as e:
+        raise ConfigError([f"cannot read: {e.strerror}"], str(path)) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError([f"larger than {MAX_FILE_BYTES // 1024} KiB; a cluster file is a few KiB"], str(path))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); TOML files are "
+                           "UTF-8"], str(path)) from None
+
+
+def _depth(value: Any, limit: int) -> int:
+    if limit < 0:
+        return 0
+    if isinstance(value, dict):
+        return 1 + max((_depth(v, limit - 1) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v, limit - 1) for v in value), default=0)
+    return 0
+
+
+def load(path: str | os.PathLike | None = None) -> Cluster:
+    """Read and validate the cluster file ($DSPARK_CONFIG or /etc/dspark/cluster.toml by default)."""
+    path = Path(path or os.environ.get("DSPARK_CONFIG") or DEFAULT_CONFIG_PATH)
+    text = _read_text(path)
+    try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"not valid TOML: {e}"], str(path)) from None
+    except RecursionError:
+        raise ConfigError([f"nested too deeply (a cluster file is at most {MAX_DEPTH} levels)"], str(path)) from None
+    if _depth(data, MAX_DEPTH + 1) > MAX_DEPTH:
+        raise ConfigError([f"nested more than {MAX_DEPTH} levels deep; a cluster file needs 4"], str(path))
     return from_dict(data, str(path))
 
 

@@ -6,11 +6,8 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from .config import Cluster, NodeConfig
-
-# Environment variables whose values are secrets: passed to vLLM, never printed.
-SECRET_ENV = ("VLLM_API_KEY",)
-REDACTED = "<redacted>"
+from .config import ENV_NAME, Cluster, NodeConfig
+from .secret_policy import REDACTED, redact_args, redact_env
 
 
 @dataclass(frozen=True)
@@ -19,13 +16,24 @@ class Launch:
     env: dict[str, str]  # added to the supervisor's environment for vLLM
 
     def redacted_env(self) -> dict[str, str]:
-        return {k: (REDACTED if k in SECRET_ENV else v) for k, v in self.env.items()}
+        """The environment with every secret's value (dspark.secret_policy) replaced."""
+        return redact_env(self.env)
+
+    def redacted_argv(self) -> list[str]:
+        """The command line with the value of every secret option replaced (for logs)."""
+        return redact_args(self.argv)
 
     def shell(self) -> str:
-        """A copy-pasteable rendering, one flag and its value per line (secrets redacted)."""
-        lines = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.redacted_env().items())]
+        """A copy-pasteable rendering, one flag and its value per line (secrets redacted).
+        A name that is not a shell variable name (the cluster file refuses those) goes through
+        env(1), quoted, so pasting the output never runs anything but vLLM."""
+        env = sorted(self.redacted_env().items())
+        if all(ENV_NAME.fullmatch(k) for k, _ in env):
+            lines = [f"{k}={shlex.quote(v)}" for k, v in env]
+        else:
+            lines = ["env"] + [shlex.quote(f"{k}={v}") for k, v in env]
         words: list[str] = []
-        for arg in self.argv:
+        for arg in self.redacted_argv():
             if words and words[-1].startswith("--") and " " not in words[-1] and not arg.startswith("--"):
                 words[-1] += " " + shlex.quote(arg)
             else:

@@ -15,7 +15,6 @@ import click
 from ..cli import CONFIG_HELP, fail
 
 DEFAULT_OUT = Path("bench-results")
-SECRET_HINTS = ("key", "token", "secret", "password")
 
 
 class BarProgress:
@@ -60,21 +59,15 @@ def parse_sizes(text: str, what: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _redact_args(args: list[str]) -> list[str]:
-    out, hide = [], False
-    for a in args:
-        out.append("<redacted>" if hide else a)
-        hide = a.startswith("-") and "=" not in a and any(h in a.lower() for h in SECRET_HINTS)
-    return out
-
-
 def cluster_settings(cluster) -> dict:
     """The serving settings a report records when the server was named by its cluster file
     (the environment is left out: it may hold secrets)."""
     serving = dataclasses.asdict(cluster.serving)
     serving.pop("env", None)
     serving.pop("vllm_command", None)
-    serving["extra_args"] = _redact_args(serving.get("extra_args") or [])
+    from ..secret_policy import redact_args
+
+    serving["extra_args"] = redact_args(serving.get("extra_args") or [])
     return {"cluster_file": str(cluster.source), "serving": serving}
 
 

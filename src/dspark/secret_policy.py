@@ -1,0 +1,71 @@
+"""What dspark counts as a secret: the one policy, used by the cluster file's check (refused),
+`dspark render` and the supervisor's log line (redacted) and bench's reports (redacted).
+
+A secret never goes into the cluster file (world-readable, and in the Nix store on NixOS) nor
+onto vLLM's command line (every user can read it in `ps`): the API key reaches vLLM through
+its environment, from the systemd credential `api-key` or the service's environment file.
+
+- An environment variable is a secret when it is one of SECRET_ENV_NAMES, or when its name,
+  split at `_`, ends in a secret word (TOKEN, SECRET, PASSWORD, PASSWD, CREDENTIAL(S)) or in
+  a secret pair (API_KEY, ACCESS_KEY, PRIVATE_KEY, SECRET_KEY, AUTH_KEY): HF_TOKEN,
+  OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY, but not TOKENIZERS_PARALLELISM.
+- A command-line flag is a secret when its name, split at `-`, ends the same way: --api-key,
+  --hf-token, `--api-key=VALUE` (but not --max-num-batched-tokens or --tokenizer).
+"""
+
+from __future__ import annotations
+
+REDACTED = "<redacted>"
+SECRET_ENV_NAMES = frozenset({"VLLM_API_KEY", "DSPARK_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
+                              "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
+SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "credential", "credentials"})
+SECRET_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"),
+                          ("auth", "key"), ("apikey",)})
+
+
+def _ends_secret(words: list[str]) -> bool:
+    words = [w for w in words if w]
+    if not words:
+        return False
+    return words[-1] in SECRET_WORDS or tuple(words[-2:]) in SECRET_PAIRS or (words[-1],) in SECRET_PAIRS
+
+
+def is_secret_env(name: str) -> bool:
+    return name.upper() in SECRET_ENV_NAMES or _ends_secret(name.lower().split("_"))
+
+
+def is_secret_flag(arg: str) -> bool:
+    """`--api-key` or `--api-key=VALUE` (an option whose value is a secret)."""
+    if not arg.startswith("-"):
+        return False
+    name = arg.lstrip("-").split("=", 1)[0]
+    return _ends_secret(name.lower().replace("_", "-").split("-"))
+
+
+def redact_args(args: list[str]) -> list[str]:
+    """A command line with the value of every secret option replaced by REDACTED."""
+    out: list[str] = []
+    hide_next = False
+    for a in args:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        if is_secret_flag(a):
+            if "=" in a:
+                out.append(a.split("=", 1)[0] + "=" + REDACTED)
+            else:
+                out.append(a)
+                hide_next = True
+            continue
+        out.append(a)
+    return out
+
+
+def redact_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: (REDACTED if is_secret_env(k) else v) for k, v in env.items()}
+
+
+def secret_args(args: list[str]) -> list[str]:
+    """The secret options on a command line (their names only, never their values)."""
+    return [a.split("=", 1)[0] for a in args if is_secret_flag(a)]
