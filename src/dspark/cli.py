@@ -10,17 +10,7 @@ from pathlib import Path
 
 import click
 
-CONFIG_HELP = "Cluster file (default: $DSPARK_CONFIG, then /etc/dspark/cluster.toml)."
-NODE_HELP = "This node's name in the cluster file (default: $DSPARK_NODE, then the host name)."
-
-
-def config_option(f):
-    return click.option("--config", "-c", "config_path", type=click.Path(dir_okay=False, path_type=Path),
-                        envvar="DSPARK_CONFIG", help=CONFIG_HELP)(f)
-
-
-def node_option(f):
-    return click.option("--node", "-n", envvar="DSPARK_NODE", help=NODE_HELP)(f)
+from .cli_options import CONFIG_HELP, NODE_HELP, config_option, node_option  # noqa: F401 (declared once there)
 
 
 def fail(message: str, code: int = 2) -> "click.exceptions.Exit":

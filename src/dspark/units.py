@@ -36,6 +36,8 @@ from pathlib import Path
 
 import click
 
+from .cli_options import config_option
+
 HEAD = "dspark-head.service"
 WORKER = "dspark-worker.service"
 READY_TARGET = "dspark-worker-ready.target"
@@ -106,6 +108,18 @@ def exec_quote(word: str) -> str:
     """One word of an Exec*= line: specifiers (%) and variables ($) escaped, quoted when it
     has blanks, quotes or backslashes."""
     word = word.replace("%", "%%").replace("$", "$$")
+    if not word or any(c in word for c in " \t\"'\\;"):
+        return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return word
+
+
+def exec_path(path: str) -> str:
+    """The executable of an Exec*= line. systemd resolves specifiers (%) in it but no
+    variables: `$$` would stay two dollars in the path it runs (systemd-analyze verify:
+    "Command /opt/a$$b/dspark is not executable"), so only % is escaped here."""
+    word = path.replace("%", "%%")
+    if any(c in word for c in "\n\0"):
+        raise ValueError(f"unsupported character in {path!r} for a unit file")
     if not word or any(c in word for c in " \t\"'\\;"):
         return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return word
@@ -187,7 +201,7 @@ def node_service(role: str, dspark_bin: str) -> str:
         "Type=notify",
         "# The supervisor is the only sender (vLLM, its child, never sees NOTIFY_SOCKET).",
         "NotifyAccess=main",
-        f"ExecStart={exec_quote(dspark_bin)} serve --state-dir {state}",
+        f"ExecStart={exec_path(dspark_bin)} serve --state-dir {state}",
         f"Environment=DSPARK_CONFIG={DEFAULT_CONFIG}",
         "# DSPARK_NODE (this node's name; default: the host name) comes from the NixOS module",
         "# or the drop-in `dspark systemd install --node NAME` writes.",
@@ -253,7 +267,7 @@ def wait_worker_service(dspark_bin: str) -> str:
     service = [
         "Type=oneshot",
         "RemainAfterExit=yes",
-        f"ExecStart={exec_quote(dspark_bin)} wait-worker",
+        f"ExecStart={exec_path(dspark_bin)} wait-worker",
         f"Environment=DSPARK_CONFIG={DEFAULT_CONFIG}",
         "# STATUS= lines say whom it waits for.",
         "NotifyAccess=main",
@@ -277,7 +291,7 @@ def dashboard_service(dspark_bin: str) -> str:
         "Wants=network-online.target",
     ]
     service = [
-        f"ExecStart={exec_quote(dspark_bin)} dashboard",
+        f"ExecStart={exec_path(dspark_bin)} dashboard",
         f"Environment=DSPARK_CONFIG={DEFAULT_CONFIG}",
         "SyslogIdentifier=dspark-dashboard",
         "Restart=on-failure",
@@ -319,13 +333,13 @@ def node_dropins(nodes: list[NodeRole], config_path: str = DEFAULT_CONFIG) -> di
     workers = [n for n in nodes if not n.is_head]
     if len(heads) > 1 or len(workers) > 1:
         raise ValueError("a host runs at most one head and one worker (the units are per role)")
-    env = f"Environment=DSPARK_CONFIG={_env_value(config_path)}"
+    env = _environment("DSPARK_CONFIG", config_path)
     out: dict[str, str] = {}
     for n in nodes:
         unit = HEAD if n.is_head else WORKER
         out[f"{unit}.d/{NODE_DROPIN}"] = (
             f"# Written by `dspark systemd install`: this host runs node {n.name!r}.\n"
-            + _section("Service", [f"Environment=DSPARK_NODE={_env_value(n.name)}", env]))
+            + _section("Service", [_environment("DSPARK_NODE", n.name), env]))
     if heads:
         for unit in (WAIT_WORKER, DASHBOARD):
             out[f"{unit}.d/{NODE_DROPIN}"] = ("# Written by `dspark systemd install`: the cluster file.\n"
@@ -345,10 +359,16 @@ def node_dropins(nodes: list[NodeRole], config_path: str = DEFAULT_CONFIG) -> di
     return out
 
 
-def _env_value(value: str) -> str:
-    if any(c in value for c in " \t\"'\\\n%$"):
-        raise ValueError(f"unsupported character in {value!r} for a unit file")
-    return value
+def _environment(name: str, value: str) -> str:
+    """An Environment= line. systemd splits its value at blanks unless the assignment is in
+    double quotes, where it reads C escapes (\\ and \"); it resolves specifiers (%) but not
+    variables ($ is plain). A path with a space is fine; a newline or NUL cannot be written."""
+    if any(c in value for c in "\n\r\0"):
+        raise ValueError(f"unsupported character (newline or NUL) in {value!r} for a unit file")
+    assignment = f"{name}={value}".replace("%", "%%")
+    if any(c in assignment for c in " \t\"'\\"):
+        assignment = '"' + assignment.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f"Environment={assignment}"
 
 
 def sysusers() -> str:
@@ -405,10 +425,15 @@ def install(nodes: list[NodeRole], config_path: str, dspark_bin: str, root: Path
 
 
 # ------------------------------------------------------------------------------ CLI
-def _roles(config_path: str, names: tuple[str, ...]) -> list[NodeRole]:
+def _config_file(config_path: Path | None) -> str:
+    """The cluster file's absolute path, as the drop-ins name it for the units."""
+    return os.path.abspath(config_path or DEFAULT_CONFIG)
+
+
+def _roles(config_path: Path | None, names: tuple[str, ...]) -> list[NodeRole]:
     from .cli import load_cluster, pick_node
 
-    cluster = load_cluster(Path(config_path))
+    cluster = load_cluster(config_path)
     return [NodeRole(n.name, n.is_head) for n in (pick_node(cluster, name) for name in names)]
 
 
@@ -429,8 +454,7 @@ def cli() -> None:
     """Render and install the systemd units (dspark-head, dspark-worker and their helpers)."""
 
 
-CONFIG_OPT = click.option("--config", "-c", "config_path", default=DEFAULT_CONFIG, show_default=True,
-                          envvar="DSPARK_CONFIG", help="Cluster file the units read (DSPARK_CONFIG).")
+CONFIG_OPT = config_option(also="The units read this file (DSPARK_CONFIG in their drop-ins).")
 BIN_OPT = click.option("--dspark-bin", help="Path of the dspark executable in ExecStart= (default: this one).")
 
 
@@ -441,12 +465,12 @@ BIN_OPT = click.option("--dspark-bin", help="Path of the dspark executable in Ex
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Write the files into this directory instead of printing them.")
 @BIN_OPT
-def render_cmd(nodes: tuple[str, ...], config_path: str, out: Path | None, dspark_bin: str | None) -> None:
+def render_cmd(nodes: tuple[str, ...], config_path: Path | None, out: Path | None, dspark_bin: str | None) -> None:
     """Print (or write with --out) the unit files."""
     files = render_units(_bin(dspark_bin))
     if nodes:
         try:
-            files.update(node_dropins(_roles(config_path, nodes), os.path.abspath(config_path)))
+            files.update(node_dropins(_roles(config_path, nodes), _config_file(config_path)))
         except ValueError as e:
             _fail(str(e), 2)
     if out is not None:
@@ -464,13 +488,13 @@ def render_cmd(nodes: tuple[str, ...], config_path: str, out: Path | None, dspar
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("/"), show_default=True,
               help="Install under this root (then nothing is reloaded).")
 @BIN_OPT
-def install_cmd(nodes: tuple[str, ...], config_path: str, root: Path, dspark_bin: str | None) -> None:
+def install_cmd(nodes: tuple[str, ...], config_path: Path | None, root: Path, dspark_bin: str | None) -> None:
     """Write the units to /etc/systemd/system with this host's drop-ins, create the dspark
     user (systemd-sysusers) and reload systemd. Then: systemctl start dspark-worker (rank 1)
     or dspark-head (rank 0); `systemctl enable` them to start at boot."""
     roles = _roles(config_path, nodes)
     try:
-        written, commands = install(roles, os.path.abspath(config_path), _bin(dspark_bin), root)
+        written, commands = install(roles, _config_file(config_path), _bin(dspark_bin), root)
     except ValueError as e:
         _fail(str(e), 2)
     except (OSError, subprocess.CalledProcessError) as e:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from ..cli import CONFIG_HELP, fail
+from ..cli import fail
+from ..cli_options import config_option
 
 DEFAULT_OUT = Path("bench-results")
 
@@ -105,8 +106,7 @@ def server_options(f):
                      show_default=True, help="Directory for the JSON report, Markdown summary and PNG plot.")(f)
     f = click.option("--model", help="Served model name (default: the cluster file's, or the server's only model).")(f)
     f = click.option("--url", help="Server base URL, e.g. http://127.0.0.1:8000 (instead of --config).")(f)
-    f = click.option("--config", "-c", "config_path", type=click.Path(dir_okay=False, path_type=Path),
-                     envvar="DSPARK_CONFIG", help=CONFIG_HELP + " The head's API URL and served name come from it.")(f)
+    f = config_option(f, also="The head's API URL and served name come from it.")
     return f
 
 

@@ -6,12 +6,11 @@ from pathlib import Path
 
 import click
 
-from ..config import DEFAULT_CONFIG_PATH
+from ..cli_options import config_option
 
 
 @click.command("dashboard")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=DEFAULT_CONFIG_PATH, show_default=True, help="The cluster file.")
+@config_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --token-file.")
 @click.option("--port", default=8899, show_default=True, type=click.IntRange(0, 65535), help="Port to bind.")
@@ -21,7 +20,7 @@ from ..config import DEFAULT_CONFIG_PATH
 @click.option("--node", default=None,
               help="The node this host is (its GPU and NVMe are read here). Default: $DSPARK_NODE, then the host name.")
 @click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.2, 60), help="Seconds between polls.")
-def dashboard(config_path: Path, host: str, port: int, token_file: Path | None, node: str | None,
+def dashboard(config_path: Path | None, host: str, port: int, token_file: Path | None, node: str | None,
               interval: float) -> None:
     """Live web dashboard of the pair (read-only; one poller for every open page)."""
     from ..config import ConfigError, load
@@ -37,7 +36,7 @@ def dashboard(config_path: Path, host: str, port: int, token_file: Path | None, 
         local = cluster.node(node).name
     except ConfigError:
         if node:
-            raise click.ClickException(f"no node named {node!r} in {config_path}") from None
+            raise click.ClickException(f"no node named {node!r} in {cluster.source}") from None
         local = None  # not one of the nodes: show n/a rather than guess whose hardware this is
     try:
         tf = token_file or default_token_file()

@@ -1,0 +1,26 @@
+"""Options shared by every `dspark` command, declared once: `--config` (the cluster file) and
+`--node` (this node's entry). The systemd units, the dashboard and bench take the very same
+`--config` as `dspark serve`, so $DSPARK_CONFIG (what `dspark systemd install` writes into
+the units' drop-ins) reaches every one of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+CONFIG_HELP = "Cluster file (default: $DSPARK_CONFIG, then /etc/dspark/cluster.toml)."
+NODE_HELP = "This node's name in the cluster file (default: $DSPARK_NODE, then the host name)."
+
+
+def config_option(f=None, *, also: str = ""):
+    """`--config/-c` into `config_path` (a Path, or None: then dspark.config.load falls back to
+    $DSPARK_CONFIG and /etc/dspark/cluster.toml). `also` adds a sentence to the help."""
+    def deco(fn):
+        return click.option("--config", "-c", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+                            envvar="DSPARK_CONFIG", help=CONFIG_HELP + (" " + also if also else ""))(fn)
+    return deco(f) if f is not None else deco
+
+
+def node_option(f):
+    return click.option("--node", "-n", envvar="DSPARK_NODE", help=NODE_HELP)(f)
