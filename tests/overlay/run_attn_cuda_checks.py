@@ -1,0 +1,87 @@
+"""Run attn_tensor_checks on CUDA tensors, without vLLM.
+
+Loads ``vllm/utils/spark_sm12x_attn.py`` straight out of overlay/0003 (it
+imports only torch) and prints a JSON report (device, torch, per-check
+result, host-side cost of the two per-call helpers).
+
+    python3 tests/overlay/run_attn_cuda_checks.py [OUT_DIR]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+PATCH = HERE.parents[1] / "overlay" / "0003-flashinfer-sm120-bridge.patch"
+MODULE = "vllm/utils/spark_sm12x_attn.py"
+
+
+def added_file(patch: Path, path: str) -> str:
+    """Text of a file the patch creates (a new-file hunk: '+' lines only)."""
+    lines = patch.read_text().splitlines()
+    start = lines.index(f"+++ b/{path}")
+    body = []
+    for line in lines[start + 2:]:  # skip the @@ line
+        if line.startswith("diff --git"):
+            break
+        if line.startswith("+"):
+            body.append(line[1:])
+    return "\n".join(body) + "\n"
+
+
+def load_module(directory: Path):
+    source = Path(directory) / "spark_sm12x_attn.py"
+    source.write_text(added_file(PATCH, MODULE))
+    spec = importlib.util.spec_from_file_location("spark_sm12x_attn", source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["spark_sm12x_attn"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _time_us(fn, repeats: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def main() -> int:
+    assert torch.cuda.is_available(), "no CUDA device"
+    sys.path.insert(0, str(HERE))
+    from attn_tensor_checks import run_all
+
+    with tempfile.TemporaryDirectory() as tmp:
+        m = load_module(Path(tmp))
+        results = run_all(m, "cuda")
+        idx = torch.zeros(60, 1, 192, dtype=torch.int32, device="cuda")
+        q = torch.zeros(2, 32, 512, dtype=torch.bfloat16, device="cuda")
+        report = {
+            "device": torch.cuda.get_device_name(0),
+            "capability": list(torch.cuda.get_device_capability(0)),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "results": results,
+            "pad_192_to_512_us_60_rows": _time_us(lambda: m.pad_index_width(idx, 512)),
+            "pad_rows_2_to_6_us_q_32x512": _time_us(lambda: m.pad_rows(q, 6)),
+        }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if len(sys.argv) > 1:
+        Path(sys.argv[1], "attn_cuda_checks.json").write_text(text + "\n")
+    return 0 if all(v == "ok" for v in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
