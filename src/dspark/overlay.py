@@ -51,11 +51,16 @@ def read_series(overlay_dir: Path) -> list[Path]:
 
 
 def touched_files(patch: Path) -> list[str]:
-    """Paths (relative to site-packages) a patch reads or writes."""
+    """Paths (relative to site-packages) a patch reads or writes; a path that is absolute or
+    climbs out of the tree (``..``) is refused."""
     paths = []
     for match in _PATCH_PATH.finditer(patch.read_text()):
-        if match.group(1) not in paths:
-            paths.append(match.group(1))
+        rel = match.group(1)
+        parts = Path(rel).parts
+        if rel.startswith("/") or not parts or ".." in parts:
+            raise OverlayError(f"{patch.name} names {rel!r}, a path outside the vLLM tree; refusing it")
+        if rel not in paths:
+            paths.append(rel)
     return paths
 
 
@@ -67,7 +72,13 @@ def installed_vllm_version(site_packages: Path) -> str:
     """
     version_py = site_packages / "vllm" / "_version.py"
     if version_py.is_file():
-        for node in ast.walk(ast.parse(version_py.read_text())):
+        try:
+            tree = ast.parse(version_py.read_bytes())
+        except (SyntaxError, ValueError) as exc:
+            raise OverlayError(f"{version_py} is not valid Python ({exc}); reinstall vLLM") from None
+        except OSError as exc:
+            raise OverlayError(f"cannot read {version_py}: {exc.strerror}") from None
+        for node in ast.walk(tree):
             if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets
             ):
@@ -83,7 +94,8 @@ def installed_vllm_version(site_packages: Path) -> str:
                         return line.split(":", 1)[1].strip()
     if not (site_packages / "vllm").is_dir():
         raise OverlayError(f"no vllm package under {site_packages}")
-    raise OverlayError(f"cannot tell the vLLM version installed under {site_packages}")
+    raise OverlayError(f"cannot tell the vLLM version installed under {site_packages}: no __version__ "
+                       f"string in {version_py} and no vllm dist-info")
 
 
 def check_version(site_packages: Path) -> str:
@@ -105,9 +117,12 @@ def _patch_program() -> str:
 
 
 def _run_patch(patch: Path, directory: Path, *, reverse: bool = False) -> tuple[bool, str]:
+    # -F0: every context line must match. GNU patch's default fuzz (2) would apply a patch
+    # whose context is wrong and report success.
     args = [
         _patch_program(),
         "-p1",
+        "-F0",
         "--batch",
         "--silent",
         "--no-backup-if-mismatch",
@@ -134,6 +149,7 @@ def _stage(site_packages: Path, paths: Sequence[str], staging: Path) -> None:
 
 def is_applied(site_packages: Path, overlay_dir: Path) -> bool:
     """Whether the whole series is already in the tree (it reverses cleanly)."""
+    site_packages, overlay_dir = Path(site_packages).absolute(), Path(overlay_dir).absolute()
     patches = read_series(overlay_dir)
     paths = [p for patch in patches for p in touched_files(patch)]
     with tempfile.TemporaryDirectory(prefix="dspark-overlay-") as tmp:
@@ -156,8 +172,9 @@ def apply_series(
     for, on a tree that already carries the series, and on a patch that does
     not apply; the tree is then left as it was.
     """
-    site_packages = Path(site_packages)
-    overlay_dir = Path(overlay_dir)
+    # Absolute: `patch -d DIR -i FILE` reads FILE after changing into DIR.
+    site_packages = Path(site_packages).absolute()
+    overlay_dir = Path(overlay_dir).absolute()
     check_version(site_packages)
     patches = read_series(overlay_dir)
     paths = [p for patch in patches for p in touched_files(patch)]
@@ -180,7 +197,12 @@ def apply_series(
                 )
         if dry_run:
             return [p.name for p in patches]
-        _install(site_packages, staging, paths, Path(tmp) / "backup")
+        try:
+            _install(site_packages, staging, paths, Path(tmp) / "backup")
+        except OSError as exc:
+            where = exc.filename or site_packages
+            raise OverlayError(f"cannot write {where}: {exc.strerror or exc}; the tree is left as it was "
+                               "(run as the tree's owner, or on a writable copy)") from None
     return [p.name for p in patches]
 
 
@@ -233,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         applied = apply_series(args.site_packages, args.overlay_dir, dry_run=args.dry_run)
     except OverlayError as exc:
         print(f"dspark overlay: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # reading the series or the tree (permissions, a vanished file)
+        print(f"dspark overlay: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     verb = "would apply" if args.dry_run else "applied"
     print(f"{verb} {len(applied)} patches: " + ", ".join(applied))
