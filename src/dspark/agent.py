@@ -12,10 +12,11 @@ import json
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Callable
 
 from . import __version__
+from .http_server import BoundedHTTPServer, discard_body
 
 # Node states, in the order a healthy start passes through them.
 STARTING = "starting"
@@ -142,6 +143,7 @@ class Agent:
                     self.wfile.write(data)
 
             def _refuse(self) -> None:
+                discard_body(self)
                 self.send_error(405, "read-only agent")
 
             do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
@@ -149,8 +151,7 @@ class Agent:
             def log_message(self, *args) -> None:  # keep the journal for the supervisor's own lines
                 pass
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = BoundedHTTPServer((host, port), Handler)  # socket timeout, connection cap
         self.thread = threading.Thread(target=self.server.serve_forever, name="dspark-agent", daemon=True)
 
     @property
