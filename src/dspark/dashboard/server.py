@@ -22,11 +22,12 @@ import re
 import signal
 import stat
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from pathlib import Path
 
 from .. import __version__
+from ..http_server import BoundedHTTPServer, discard_body
 from .collector import Collector
 
 DEFAULT_HOST = "127.0.0.1"
@@ -61,15 +62,15 @@ def is_loopback(host: str) -> bool:
 
 
 def load_token(path: Path) -> str:
-    """The access token from `path`, which must not be readable by others."""
+    """The access token from `path`, which only its owner may read or write (mode 600 or 400)."""
     try:
         st = path.stat()
         text = path.read_text()
     except OSError as e:
         raise DashboardError(f"cannot read the token file {path}: {e.strerror}") from None
-    if st.st_mode & (stat.S_IRWXO):
-        raise DashboardError(f"the token file {path} is accessible to others (mode {stat.S_IMODE(st.st_mode):04o});"
-                             f" run: chmod 600 {path}")
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise DashboardError(f"the token file {path} is accessible to its group or others (mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}")
     token = text.strip()
     if not token:
         raise DashboardError(f"the token file {path} is empty")
@@ -123,15 +124,20 @@ class DashboardServer:
             protocol_version = "HTTP/1.1"  # keep-alive: one connection per open page
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                discard_body(self)
                 srv._answer(self, body=True)
 
             def do_HEAD(self) -> None:  # noqa: N802
+                discard_body(self)
                 srv._answer(self, body=False)
 
             def _refuse(self) -> None:
+                discard_body(self)  # else its bytes would be read as the next request
                 self.send_response(405)
                 self.send_header("Allow", "GET, HEAD")
                 self.send_header("Content-Length", "0")
+                if self.close_connection:
+                    self.send_header("Connection", "close")
                 self.end_headers()
 
             do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse
@@ -139,17 +145,7 @@ class DashboardServer:
             def log_message(self, *args) -> None:  # one line per request each second would drown the journal
                 pass
 
-        ThreadingHTTPServer.allow_reuse_address = True
-        family_host = host.strip("[]")
-        if ":" in family_host:
-            import socket
-
-            class V6Server(ThreadingHTTPServer):
-                address_family = socket.AF_INET6
-            self.server = V6Server((family_host, port), Handler)
-        else:
-            self.server = ThreadingHTTPServer((family_host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = BoundedHTTPServer((host.strip("[]"), port), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, name="dashboard-http", daemon=True)
 
     @property
