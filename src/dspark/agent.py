@@ -10,63 +10,16 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import Callable
 
 from . import __version__
 from .http_server import BoundedHTTPServer, discard_body
 
-# Node states, in the order a healthy start passes through them.
-STARTING = "starting"
-RENDEZVOUS = "rendezvous"
-LOADING = "loading"
-WARMING = "warming"
-SERVING = "serving"
-STOPPING = "stopping"
-STOPPED = "stopped"
-FAILED = "failed"
-STATES = (STARTING, RENDEZVOUS, LOADING, WARMING, SERVING, STOPPING, STOPPED, FAILED)
-
-
-@dataclass
-class Liveness:
-    """The head's last liveness round and the last proof of life (dspark.liveness)."""
-
-    ok: bool                          # the last round found the engine alive
-    at: float                         # unix time of that round
-    latency_s: float | None = None    # the last 1-token probe's latency, when one ran
-    error: str | None = None          # why the last round did not find it alive
-    proof: str | None = None          # what proved it alive last: "progress" or "probe"
-    proof_at: float | None = None     # unix time of that proof
-    proof_detail: str = ""
-
-
-@dataclass
-class NodeState:
-    """What a node's supervisor knows about itself; the agent serves a snapshot of it."""
-
-    node: str
-    rank: int
-    role: str
-    state: str = STARTING
-    detail: str = ""
-    vllm_pid: int | None = None
-    vllm_version: str | None = None
-    restarts: int = 0
-    started_at: float = field(default_factory=time.time)
-    state_since: float = field(default_factory=time.time)
-    liveness: Liveness | None = None
-    api_url: str | None = None
-    dspark_version: str = __version__
-
-    def snapshot(self) -> dict:
-        d = asdict(self)
-        now = time.time()
-        d["uptime_s"] = round(now - self.started_at, 3)
-        d["state_for_s"] = round(now - self.state_since, 3)
-        return d
+# The node states and the snapshot the agent serves live in dspark.states (re-exported here).
+from .states import (  # noqa: E402,F401
+    FAILED, LOADING, RENDEZVOUS, SERVING, STARTING, STATES, STOPPED, STOPPING, WARMING, Liveness, NodeState,
+)
 
 
 def metrics_text(s: dict) -> str:

@@ -74,11 +74,18 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="dspark", prog_name="dspark")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """dspark: DeepSeek V4 Flash on two DGX Spark / GX10 nodes, as a supervised appliance.
 
     One cluster file describes the deployment; every node runs `dspark serve`.
     """
+    import signal
+
+    # The entry point (dspark.__main__) ends the process quietly on a SIGINT until a command
+    # is chosen; `serve` queues signals itself, every other command gets Python's usual Ctrl-C.
+    if ctx.invoked_subcommand != "serve" and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # ------------------------------------------------------------------------------ config
@@ -122,8 +129,7 @@ def plan_cmd(config_path: Path | None, model_dir: Path | None, as_json: bool) ->
     """Memory fit plan: weights per rank, KV cache per token, KV tokens, the longest context."""
     import json
 
-    from .plan import PlanError
-    from .planning import plan_for_cluster
+    from .plan import PlanError, plan_for_cluster
 
     cluster = load_cluster(config_path)
     try:
@@ -167,13 +173,17 @@ def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None
     Exit codes: 0 stopped, 2 refused (config or memory plan), 3 never became ready,
     4 died while serving (or lost its pair).
     """
+    from .signals import SignalQueue
+
+    # First of all: from here on a signal is queued for the supervisor's loop, never lost
+    # while the cluster file and the plan are read, never a traceback.
+    signals = SignalQueue().install()
     from .supervisor import EXIT_CONFIG, serve
 
     cluster = load_cluster(config_path)
     this = pick_node(cluster, node)
     if not skip_plan:
-        from .plan import PlanError
-        from .planning import plan_for_cluster
+        from .plan import PlanError, plan_for_cluster
 
         try:
             plan = plan_for_cluster(cluster)
@@ -184,7 +194,7 @@ def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None
     if state_dir is not None and ":" in str(state_dir):
         state_dir = Path(str(state_dir).split(":")[0])  # systemd lists several directories with ':'
     try:
-        code = serve(cluster, this, state_dir=state_dir)
+        code = serve(cluster, this, state_dir=state_dir, signals=signals)
     except OSError as e:  # e.g. the agent's port is taken, vLLM's command not found
         fail(f"serve: {e}", EXIT_CONFIG)
     sys.exit(code)
@@ -224,7 +234,7 @@ def wait_worker_cmd(config_path: Path | None, timeout: float | None) -> None:
 def status_cmd(config_path: Path | None, as_json: bool) -> None:
     """Both nodes and the API in one table; exit 1 when the pair is not serving."""
     from .status import collect, render_table, to_json
-    from .supervisor import read_api_key
+    from .credentials import read_api_key
 
     cluster = load_cluster(config_path)
     snap = collect(cluster, token=read_api_key())

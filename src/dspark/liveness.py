@@ -43,7 +43,7 @@ class Progress:
 
 def read_progress(text: str) -> Progress:
     """Parse vLLM's /metrics text; raises ValueError when it is not a serving vLLM's page."""
-    from .dashboard.metrics import MetricsError, parse
+    from .vllm_metrics import MetricsError, parse
 
     try:
         s = parse(text, 0.0)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import agent as A
+from . import states as A
 from . import config as C
-from .status import agent_state
+from .agent_client import agent_state
 
 WORKER_ADDR = "127.0.0.2"
 HEAD_ADDR = "127.0.0.1"

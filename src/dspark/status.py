@@ -6,19 +6,13 @@ import json
 import time
 from typing import Callable
 
-from . import agent as A
+from . import states as A
+from .agent_client import agent_state  # the one client of the agents (re-exported)
 from . import vllm_facts
 from .config import Cluster
 from .http import HTTPFailure, get_object, request
 
 WORKER_READY_STATES = (A.RENDEZVOUS, A.SERVING)
-
-
-def agent_state(url: str, timeout: float = 2.0) -> dict | None:
-    try:
-        return get_object(url.rstrip("/") + "/state", timeout=timeout)
-    except HTTPFailure:
-        return None
 
 
 def wait_for_workers(

@@ -45,7 +45,7 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 PROMPT_TOKENS_CACHED = "vllm:prompt_tokens_cached"
-NUM_PREEMPTIONS = "vllm:num_preemptions"
+PREEMPTIONS = "vllm:num_preemptions"
 GENERATION_TOKENS = "vllm:generation_tokens"
 REQUEST_SUCCESS = "vllm:request_success"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
@@ -66,7 +66,6 @@ ENGINE_LABEL = "engine"
 # An info gauge (value 1) whose labels are the KV-cache settings: block_size, cache_dtype,
 # enable_prefix_caching, num_gpu_blocks, kv_cache_size_tokens, ...
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
-PREEMPTIONS = "vllm:num_preemptions"
 # Written by prometheus_client's process collector into vLLM's /metrics: a change means the
 # API server restarted, so every counter started again from zero.
 PROCESS_START_TIME = "process_start_time_seconds"

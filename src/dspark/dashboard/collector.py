@@ -16,13 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import agent as A
+from .. import states as A
+from ..agent_client import AgentAnswer, fetch_state, is_lost  # noqa: F401 (AgentAnswer: re-exported)
 from .. import vllm_facts as F
 from ..config import Cluster
-from ..http import HTTPFailure, get_object, request
+from ..http import HTTPFailure, request
 from .. import hardware
 from . import rates
-from .metrics import MetricsError, Scrape, parse
+from ..vllm_metrics import MetricsError, Scrape, parse
 
 SCHEMA_VERSION = 1
 # A node whose service fails exits right away (agent included), so its own "failed" answer is
@@ -60,12 +61,6 @@ class Targets:
 class _NodeMemory:
     last_ok: float | None = None  # monotonic time of the last answer
     last: dict | None = None
-
-
-@dataclass(frozen=True)
-class AgentAnswer:
-    state: dict | None  # the agent's /state, or None
-    refused: bool = False  # nothing listens on the agent's port
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
@@ -177,12 +172,7 @@ class Collector:
             return None, str(e)
 
     def _fetch_agent(self, url: str) -> AgentAnswer:
-        # a refused connection stays distinguishable (HTTPFailure.refused): the supervisor is gone
-        try:
-            s = get_object(url.rstrip("/") + "/state", timeout=self.timeout_s)
-        except HTTPFailure as e:
-            return AgentAnswer(None, refused=e.refused)
-        return AgentAnswer(s if isinstance(s.get("state"), str) else None)
+        return fetch_state(url, timeout=self.timeout_s)
 
     def _vllm_version(self, agents: dict) -> str | None:
         for n in self.targets.nodes:  # the agents know it already: no extra request to vLLM
@@ -215,12 +205,8 @@ class Collector:
             state, detail = "unreachable", f"agent {t.agent_url} has not answered"
         elif last.get("state") in (A.STOPPING, A.STOPPED):
             state, detail = A.STOPPED, f"agent gone after it reported {last.get('state')}"
-        elif answer is not None and answer.refused:
-            state = A.FAILED
-            detail = f"agent not running: connection refused (last reported {last.get('state')})"
-        elif silent >= LOST_AFTER_S:
-            state = A.FAILED
-            detail = f"agent unreachable for {silent:.0f} s (last reported {last.get('state')})"
+        elif lost := is_lost(answer, last, silent, LOST_AFTER_S):
+            state, detail = A.FAILED, lost
         else:
             state, detail = last.get("state", "unreachable"), "agent did not answer this round"
         if isinstance(last.get("hardware"), dict):

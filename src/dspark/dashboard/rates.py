@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import vllm_facts as F
-from .metrics import Histogram, Scrape
+from ..vllm_metrics import Histogram, Scrape, SpecDecode, spec_decode_of
 
 # The head's liveness probe (supervisor.one_token) sends a 1-token prompt and generates one
 # token every few seconds. An interval with no more tokens than that and no running request
@@ -66,7 +66,8 @@ def interval(old: Scrape, cur: Scrape) -> Interval:
         decode_tps=gen / dt if gen is not None and dt > 0 else None,
         prefill_tps=prompt / dt if prompt is not None and dt > 0 else None,
         generation_tokens=gen, prompt_tokens=prompt, active=active,
-        spec_acceptance=accepted / drafted if drafted and accepted is not None else None,
+        spec_acceptance=(SpecDecode(0.0, drafted, accepted).acceptance_rate
+                         if drafted is not None and accepted is not None else None),
     )
 
 
@@ -122,14 +123,8 @@ def latency(old: Scrape | None, cur: Scrape, name: str) -> dict:
 
 def spec_decode(cur: Scrape) -> dict | None:
     """Lifetime acceptance figures, or None when vLLM runs without speculative decoding."""
-    drafted = cur.counters.get(F.SPEC_DRAFT_TOKENS)
-    if drafted is None:
+    s = spec_decode_of(cur)
+    if s is None:
         return None
-    accepted = cur.counters.get(F.SPEC_ACCEPTED_TOKENS, 0.0)
-    drafts = cur.counters.get(F.SPEC_DRAFTS, 0.0)
-    return {
-        "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
-        "acceptance_rate": accepted / drafted if drafted > 0 else None,
-        # vLLM's own definition: the bonus token plus the accepted ones, per draft
-        "mean_acceptance_length": 1 + accepted / drafts if drafts > 0 else None,
-    }
+    return {"drafts": s.drafts, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length}

@@ -1,0 +1,377 @@
+"""The node's policy: when it starts vLLM, when it is ready, when it is alive, when its pair is
+broken, and how it ends. A state machine with no I/O and no clock of its own: the supervisor
+(dspark.supervisor) gathers what happened (a signal, vLLM's exit, the stage its log reached,
+finished probes) into `Events`, calls `step(now, events)` and carries out the `Action`s it
+gets back. Tests drive it with fake probe results and a fake clock (tests/test_node_policy.py).
+
+Phases: backoff -> workers (the head of a pair: until every worker is in the rendezvous) ->
+vllm (before and after ready) -> done. Signals: SIGTERM/SIGINT stop the node (exit 0; during
+the restart backoff the failure history is kept); SIGHUP restarts it through a failure exit
+(EXIT_DIED), so that `Restart=on-failure` brings it back and a pair re-forms worker first
+(restarting vLLM alone inside a running pair would leave the peer's collective waiting).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+
+from . import states as S
+from .agent_client import AgentAnswer, is_lost
+from .liveness import LivenessJudge
+from .probes import ReadyProbe, Round
+from .vllm_process import at_least, stage_detail
+
+# Exit codes (the unit sets RestartPreventExitStatus=2: a bad config is not retried).
+EXIT_OK = 0
+EXIT_CONFIG = 2          # refused before starting anything: bad config, plan does not fit
+EXIT_NEVER_READY = 3     # vLLM exited or timed out before the node became ready
+EXIT_DIED = 4            # the node was serving (or in its pair) and then died, lost its pair or got SIGHUP
+
+# Restart backoff. The units restart a failed node after a short fixed RestartSec= (systemd 252
+# has no growing delay); the supervisor adds the growing part, from the failure history it
+# keeps in the state directory, and says so in a STATUS= line.
+BACKOFF_FIRST_S = 5.0
+BACKOFF_MAX_S = 300.0
+BACKOFF_STABLE_S = 120.0  # serving this long clears the history
+
+READY_POLL_S = 0.1        # the head's /health poll before ready: READY within a tick of vLLM answering
+PEERS_POLL_S = 1.0
+EXTEND_EVERY_S = 30.0     # keep systemd's start timeout ahead of a long model load
+EXTEND_BY_S = 90.0
+
+
+def backoff_delay(failures: int) -> float:
+    """Seconds to wait before starting after `failures` consecutive failed runs: the first retry
+    at once (a pair re-forms after one death), then 5, 10, 20, ... up to BACKOFF_MAX_S."""
+    if failures <= 1:
+        return 0.0
+    return min(BACKOFF_FIRST_S * 2 ** (failures - 2), BACKOFF_MAX_S)
+
+
+# ------------------------------------------------------------------ what happened, what to do
+@dataclass
+class Events:
+    signal: int | None = None
+    vllm_exit: int | None = None          # vLLM's exit code, once it has exited
+    stage: str = "starting"               # the stage vLLM's log has reached
+    ready_probe: ReadyProbe | None = None  # a finished pre-ready probe (the head)
+    round: Round | None = None            # a finished liveness round (the head, once ready)
+    peers: dict[str, AgentAnswer] | None = None  # a finished poll of the peers' (workers') agents
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    state: str = ""
+    detail: str = ""
+    code: int = 0
+    seconds: float = 0.0
+    history: str = ""   # for "exit": "clear", "keep" or "fail"
+
+
+def _set(state: str, detail: str = "") -> Action:
+    return Action("state", state=state, detail=detail)
+
+
+# Action kinds: state (show a state), extend (EXTEND_TIMEOUT_USEC), start_vllm, ready (READY=1,
+# with detail), ready_probe / liveness_round / poll_peers (start one in the background),
+# record_probe (a failed pre-ready completion), watchdog, clear_history, say (a log line),
+# stop (stop vLLM; state/detail: how the node is shown meanwhile) and exit (code, history).
+
+
+@dataclass
+class Peer:
+    name: str
+    url: str
+    is_head: bool
+    started_at: float | None = None   # the peer's incarnation when the pair formed
+    last: dict | None = None          # its last /state
+    last_seen: float | None = None
+
+
+@dataclass
+class Limits:
+    """The supervisor settings the policy needs (config.SupervisorConfig has them all)."""
+
+    ready_timeout_s: float
+    liveness_interval_s: float
+    head_lost_s: float
+    rendezvous_timeout_s: float
+    worker_wait_timeout_s: float
+
+    @classmethod
+    def of(cls, sup) -> "Limits":
+        return cls(sup.ready_timeout_s, sup.liveness_interval_s, sup.head_lost_s, sup.rendezvous_timeout_s,
+                   sup.worker_wait_timeout_s)
+
+
+@dataclass
+class NodePolicy:
+    is_head: bool
+    limits: Limits
+    judge: LivenessJudge
+    peers: list[Peer] = field(default_factory=list)
+    api_url: str = ""
+    watchdog_s: float | None = None       # half of WATCHDOG_USEC, None outside systemd's watchdog
+    failures: int = 0                     # consecutive failed runs before this one
+    last_failure: str = ""
+    track_history: bool = False
+
+    def __post_init__(self) -> None:
+        self.phase = "init"
+        self.state, self.detail = S.STARTING, ""
+        self.ready = self.paired = self.committed = False
+        self.t_start = self.backoff_until = 0.0
+        self.last_extend = self.last_health = self.last_live = self.last_peers = self.last_dog = -1e18
+        self.serving_since: float | None = None
+        self.history_cleared = False
+        self.waiting_since = 0.0
+        self.workers_seen: dict[str, str] = {}
+        self.verdict = None   # the last liveness verdict and the probe behind it, for the agent
+        self.probe = None
+        self.failed_probe = None  # the last failed completion before ready
+        self.version: str | None = None  # vLLM's /version, read once ready
+
+    # ---------------------------------------------------------------- helpers
+    def _show(self, out: list[Action], state: str, detail: str = "") -> None:
+        if (state, detail) != (self.state, self.detail):
+            self.state, self.detail = state, detail
+            out.append(_set(state, detail))
+
+    def _end(self, out: list[Action], code: int, state: str, detail: str, *, stop: str = "",
+             history: str | None = None) -> list[Action]:
+        """Stop vLLM (when `stop` says why), show the final state, exit with `code`."""
+        self.phase = "done"
+        if stop:
+            out.append(Action("stop", state=self.state, detail=stop))
+        self._show(out, state, detail)
+        out.append(Action("exit", code=code, history=history or ("clear" if code == EXIT_OK else "fail")))
+        return out
+
+    # ---------------------------------------------------------------- the machine
+    def start(self, now: float) -> list[Action]:
+        """The first step: the restart backoff, if the history calls for one."""
+        out: list[Action] = []
+        self.t_start = now
+        delay = backoff_delay(self.failures) if self.track_history else 0.0
+        if delay > 0:
+            self.phase, self.backoff_until = "backoff", now + delay
+            out.append(Action("extend", seconds=delay + 60))
+            self._show(out, S.STARTING, f"backoff: {self.failures} failed runs in a row "
+                                        f"(last: {self.last_failure}); starting in {delay:.0f} s")
+        else:
+            out += self._begin(now)
+        return out
+
+    def _begin(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        self.t_start = now
+        if self.is_head and self.peers:
+            self.phase, self.waiting_since = "workers", now
+            self._show(out, S.RENDEZVOUS, "waiting for the worker(s) to enter the rendezvous")
+            out.append(Action("poll_peers"))
+            self.last_peers = now
+        else:
+            out += self._start_vllm()
+        return out
+
+    def _start_vllm(self) -> list[Action]:
+        self.phase = "vllm"
+        return [Action("start_vllm")]
+
+    def step(self, now: float, ev: Events) -> list[Action]:
+        out: list[Action] = []
+        if self.phase == "done":
+            return out
+        if ev.signal is not None:
+            return self._on_signal(out, ev.signal)
+        if self.phase == "backoff":
+            if now >= self.backoff_until:
+                out += self._begin(now)
+            return out
+        if self.phase == "workers":
+            return self._waiting_for_workers(out, now, ev)
+        return self._running(out, now, ev)
+
+    def _on_signal(self, out: list[Action], sig: int) -> list[Action]:
+        name = signal.Signals(sig).name
+        running = self.phase == "vllm"
+        if sig == signal.SIGHUP:
+            why = f"received SIGHUP: restarting the node (a failure exit: Restart=on-failure brings it back)"
+            return self._end(out, EXIT_DIED, S.FAILED, why, stop=name if running else "")
+        if self.phase == "backoff":
+            return self._end(out, EXIT_OK, S.STOPPED, "stopped during the restart backoff", history="keep")
+        if self.phase == "workers":
+            return self._end(out, EXIT_OK, S.STOPPED, "stopped while waiting for the worker(s)")
+        if not running:  # before anything started
+            return self._end(out, EXIT_OK, S.STOPPED, f"stopped ({name}) before starting vLLM", history="keep")
+        self._show(out, S.STOPPING, f"received {name}")
+        return self._end(out, EXIT_OK, S.STOPPED, f"vLLM stopped after {name}", stop=name)
+
+    def _extend(self, out: list[Action], now: float) -> None:
+        if now - self.last_extend > EXTEND_EVERY_S:
+            out.append(Action("extend", seconds=EXTEND_BY_S))
+            self.last_extend = now
+
+    def _waiting_for_workers(self, out: list[Action], now: float, ev: Events) -> list[Action]:
+        """The head starts vLLM only once every worker's agent reports the rendezvous."""
+        self._extend(out, now)
+        if ev.peers is not None:
+            waiting = []
+            for p in self.peers:
+                a = ev.peers.get(p.name)
+                self.workers_seen[p.name] = a.state.get("state") if a is not None and a.state else "unreachable"
+                if self.workers_seen[p.name] != S.RENDEZVOUS:
+                    waiting.append(p)
+            if not waiting:
+                self.committed = True
+                return out + self._start_vllm()
+            self._show(out, S.RENDEZVOUS, "waiting for " + ", ".join(p.name for p in waiting)
+                       + " to enter the rendezvous")
+            if now - self.waiting_since >= self.limits.worker_wait_timeout_s:
+                seen = ", ".join(f"{p.name} at {p.url} is {self.workers_seen[p.name]}" for p in waiting)
+                return self._end(out, EXIT_NEVER_READY, S.FAILED,
+                                 f"worker not ready after {self.limits.worker_wait_timeout_s:g} s: {seen}; "
+                                 f"start it first (systemctl start dspark-worker on that host)")
+            # Polled briskly: every moment here is added to the pair's start.
+            out.append(Action("poll_peers"))
+        return out
+
+    def _running(self, out: list[Action], now: float, ev: Events) -> list[Action]:
+        lim = self.limits
+        if ev.vllm_exit is not None:
+            when = "while serving" if self.ready else "before becoming ready"
+            return self._end(out, EXIT_DIED if self.ready else EXIT_NEVER_READY, S.FAILED,
+                             f"vLLM exited with code {ev.vllm_exit} {when}")
+        stage = ev.stage
+        if not self.paired and at_least(stage, "loading"):
+            self.paired = True  # the rendezvous completed: from now on, peers must stay
+        if not self.ready:
+            if now - self.t_start > lim.ready_timeout_s:
+                return self._end(out, EXIT_NEVER_READY, S.FAILED,
+                                 f"not ready after {lim.ready_timeout_s:g} s (ready_timeout_s)",
+                                 stop="never became ready")
+            self._extend(out, now)
+            if stage != "starting" and stage != self.state:
+                self._show(out, stage, stage_detail(stage))
+            if self.is_head:
+                rp = ev.ready_probe
+                if rp is not None and rp.live is not None:
+                    if rp.live.ok:
+                        self.verdict = self.judge.probed(True, None, rp.live.latency_s, rp.progress, now)
+                        self.probe, self.version = rp.live, rp.version
+                        out.append(Action("record_round"))
+                        self.ready = self.paired = True
+                        self.last_live = now
+                        self._show(out, S.SERVING, f"API on {self.api_url}")
+                        out.append(Action("ready", detail=f"serving: API on {self.api_url}"))
+                    else:
+                        self.failed_probe = rp.live
+                        out.append(Action("record_probe"))
+                if not self.ready and now - self.last_health >= READY_POLL_S:
+                    self.last_health = now
+                    out.append(Action("ready_probe"))
+            elif stage != "starting":
+                # Up and waiting for (or in) the rendezvous: the worker is ready.
+                self.ready = True
+                out.append(Action("ready", detail=f"{stage}: {stage_detail(stage)}"))
+                out.append(Action("say", detail="ready (in the rendezvous)"))
+        elif self.is_head:
+            r = ev.round
+            if r is not None:
+                self.verdict, self.probe = r.verdict, r.probe
+                out.append(Action("record_round"))
+                v = r.verdict
+                if not v.alive:
+                    out.append(Action("say", detail=v.reason))
+                if v.dead:
+                    hung = r.probe is not None and r.probe.latency_s is None
+                    if self.watchdog_s and hung:
+                        # No answer at all: a hung vLLM. Under systemd's watchdog that is its
+                        # call (the pings stopped with the last round that found it alive; it
+                        # kills what no longer responds, result 'watchdog'). An error answer or
+                        # a stall is ours to act on.
+                        self._show(out, S.FAILED, f"liveness lost: {v.reason}; the watchdog restarts the node")
+                    else:
+                        return self._end(out, EXIT_DIED, S.FAILED, f"liveness lost: {v.reason}",
+                                         stop="liveness lost")
+            if now - self.last_live >= lim.liveness_interval_s:
+                self.last_live = now
+                out.append(Action("liveness_round"))
+        else:
+            if self.state != S.SERVING and stage != self.state and stage != "starting":
+                self._show(out, stage, stage_detail(stage))
+
+        if self.peers:
+            if ev.peers is not None:
+                broken = self._peers(now, ev.peers)
+                if broken:
+                    return self._end(out, EXIT_DIED if (self.ready or self.paired) else EXIT_NEVER_READY,
+                                     S.FAILED, f"pair broken: {broken}", stop="pair broken")
+                self._follow_head(out)
+            if not self.is_head and not self.paired and now - self.t_start > lim.rendezvous_timeout_s:
+                return self._end(out, EXIT_NEVER_READY, S.FAILED,
+                                 f"no head joined within {lim.rendezvous_timeout_s:g} s", stop="rendezvous timed out")
+            if now - self.last_peers >= PEERS_POLL_S:
+                self.last_peers = now
+                out.append(Action("poll_peers"))
+
+        if self.state != S.SERVING:
+            self.serving_since = None
+        elif self.serving_since is None:
+            self.serving_since = now
+        if (self.track_history and not self.history_cleared and self.state == S.SERVING
+                and now - self.serving_since >= BACKOFF_STABLE_S):
+            self.history_cleared = True  # served long enough: the next failure restarts at once
+            self.failures = 0
+            out.append(Action("clear_history"))
+
+        wd = self.watchdog_s
+        if self.ready and wd and now - self.last_dog >= wd and self._watchdog_ok(now, ev):
+            self.last_dog = now
+            out.append(Action("watchdog"))
+        return out
+
+    def _watchdog_ok(self, now: float, ev: Events) -> bool:
+        if self.is_head:
+            # Only while a liveness round found the engine alive recently (progress or probe).
+            return self.judge.fed(now)
+        return ev.vllm_exit is None
+
+    def _follow_head(self, out: list[Action]) -> None:
+        """A worker is serving while its head is; the pair forms when the head serves."""
+        head = next((p for p in self.peers if p.is_head), None)
+        if (head is not None and head.last and head.last.get("state") == S.SERVING and self.ready
+                and self.state != S.SERVING):
+            self.paired = True
+            self._show(out, S.SERVING, f"pair serving with {head.name}")
+
+    def _peers(self, now: float, answers: dict[str, AgentAnswer]) -> str | None:
+        """Why the pair is broken, or None."""
+        # A head that started vLLM for the workers in the rendezvous is bound to those
+        # incarnations: one that restarts or vanishes would leave its vLLM waiting forever.
+        bound = self.paired or self.committed
+        for p in self.peers:
+            a = answers.get(p.name)
+            if a is None:
+                continue
+            if a.state is not None:
+                p.last, p.last_seen = a.state, now
+                if not bound:
+                    continue
+                if p.started_at is None:
+                    p.started_at = a.state.get("started_at")
+                if p.started_at is not None and a.state.get("started_at") != p.started_at:
+                    return f"{p.name} restarted; the pair must re-form"
+                lost = is_lost(a, p.last, 0.0, self.limits.head_lost_s)
+            elif not bound:
+                continue
+            elif p.last_seen is None:
+                p.last, p.last_seen = {"state": "unreachable"}, now  # start the clock at pair formation
+                continue
+            else:
+                lost = is_lost(a, p.last, now - p.last_seen, self.limits.head_lost_s)
+            if lost:
+                return f"{p.name}: {lost}"
+        return None

@@ -1,0 +1,50 @@
+"""Memory fit plan: will a model fit the nodes, and with how much KV cache?
+
+Everything is computed from the model directory alone: its ``config.json`` and
+the JSON headers of its ``*.safetensors`` shards. Tensor data is never read, so
+a plan for a 155 GiB checkpoint costs a few milliseconds.
+
+The accounting follows vLLM 0.28.0 (the release the GB10 runtime pins):
+
+* weights: every tensor's bytes come from the header's ``data_offsets``; which
+  tensors are split across tensor-parallel ranks and which are replicated
+  follows the layer types vLLM's model code builds them with (see
+  ``_REPLICATED_DSV4`` and ``_SHARDED_HF``);
+* KV cache: the KV-cache specs and the block arithmetic of
+  ``vllm/v1/kv_cache_interface.py`` and ``vllm/v1/core/kv_cache_utils.py``
+  (``get_kv_cache_groups``, ``_get_kv_cache_config_packed``,
+  ``get_max_concurrency_for_kv_cache_config``), including DeepSeek V4's packed
+  multi-group layout (``vllm/models/deepseek_v4/attention.py``,
+  ``compressor.py``, ``v1/attention/backends/mla/sparse_swa.py``);
+* the memory each rank can give: ``gpu_memory_utilization * usable memory``,
+  or ``kv_cache_memory_bytes`` when set, as vLLM does.
+
+``kv_tokens`` is the figure vLLM logs as "GPU KV cache size: N tokens": the
+number of blocks over the blocks one ``max_model_len`` request needs, times
+``max_model_len``. It is per rank: every rank holds the same block pool.
+
+The package, one module per step: ``facts`` (model directory -> ModelFacts), ``weights``
+(the split per rank), ``kv_layout`` (bytes per token as vLLM accounts them), ``fit`` (the
+budget and the verdict) and ``from_cluster`` (which of the cluster file's settings the plan
+reads; its defaults are the config's own).
+"""
+
+from __future__ import annotations
+
+from .facts import (  # noqa: F401
+    DSV4_RUNTIME_OVERHEAD_BYTES, GB10_USABLE_MEMORY_BYTES, GiB, ModelFacts, PlanError, SEED_MAX_MODEL_LEN,
+    SEED_MAX_NUM_BATCHED_TOKENS, SEED_MAX_NUM_SEQS, SEED_GPU_MEMORY_UTILIZATION, SEED_ASYNC_SCHEDULING,
+    serving_default, TensorInfo, _DEFAULT_BLOCK_SIZE, _DSV4_DEFAULT_BLOCK_SIZE, _DTYPE_BYTES,
+    _KV_DTYPE_BYTES, _MAX_HEADER_BYTES, _read_json, load_model_facts, read_safetensors_header,
+)
+from .weights import (  # noqa: F401
+    WeightSplit, _REPLICATED_DSV4, _SHARDED_HF, _is_draft_tensor, _is_replicated, split_weights,
+)
+from .kv_layout import (  # noqa: F401
+    KVLayout, _Spec, _approximate_gcd, _cdiv, _dsv4_layout, _kv_dtype_bytes, _round_up, _uniform_layout,
+    kv_layout,
+)
+from .fit import (  # noqa: F401
+    Plan, PlanInputs, _largest_context, _largest_context_bytes, _raise_tp_hint, make_plan, plan_from_facts,
+)
+from .from_cluster import plan_for_cluster, plan_inputs  # noqa: F401,E402

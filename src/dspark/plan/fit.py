@@ -1,0 +1,305 @@
+"""The fit: the plan's inputs, the budget each rank gives, and whether weights, reserve and
+the KV cache fit in it (with how many KV tokens)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .facts import (
+    DSV4_RUNTIME_OVERHEAD_BYTES, GB10_USABLE_MEMORY_BYTES, GiB, ModelFacts, PlanError, SEED_MAX_MODEL_LEN,
+    SEED_MAX_NUM_BATCHED_TOKENS, SEED_MAX_NUM_SEQS, SEED_GPU_MEMORY_UTILIZATION, SEED_ASYNC_SCHEDULING,
+    load_model_facts,
+)
+from .weights import WeightSplit, split_weights
+from .kv_layout import KVLayout, kv_layout
+
+# --------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    model_dir: Path
+    tensor_parallel_size: int
+    pipeline_parallel_size: int = 1
+    max_model_len: int = SEED_MAX_MODEL_LEN
+    max_num_seqs: int = SEED_MAX_NUM_SEQS
+    block_size: int | None = None   # None: 256 for DeepSeek V4, else vLLM's 16
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = SEED_GPU_MEMORY_UTILIZATION
+    kv_cache_memory_bytes: int | None = None
+    usable_memory_bytes: int = GB10_USABLE_MEMORY_BYTES
+    num_speculative_tokens: int = 0
+    # None: DSV4_RUNTIME_OVERHEAD_BYTES for DeepSeek V4; 0 for other models
+    # (no calibrated figure; the plan says so in its notes).
+    runtime_overhead_bytes: int | None = None
+    max_num_batched_tokens: int = SEED_MAX_NUM_BATCHED_TOKENS
+    async_scheduling: bool = SEED_ASYNC_SCHEDULING   # the seed serves with --async-scheduling
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len",
+                     "max_num_seqs", "usable_memory_bytes", "max_num_batched_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise PlanError(f"{name} must be at least 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise PlanError("gpu_memory_utilization must be in (0, 1]")
+        if self.block_size is not None and self.block_size < 1:
+            raise PlanError("block_size must be at least 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 0:
+            raise PlanError("kv_cache_memory_bytes must not be negative")
+        if self.num_speculative_tokens < 0:
+            raise PlanError("num_speculative_tokens must not be negative")
+
+
+@dataclass(frozen=True)
+class Plan:
+    inputs: PlanInputs
+    architecture: str
+    fits: bool
+    weight_bytes: int               # every tensor in the checkpoint
+    checkpoint_file_bytes: int      # the shards on disk, headers included
+    loaded_weight_bytes: int        # what vLLM loads (drafter only with speculation)
+    weight_bytes_per_rank: int
+    replicated_bytes: int           # held whole by every rank
+    runtime_overhead_bytes: int
+    memory_per_rank_bytes: int      # what the node gives vLLM
+    kv_cache_bytes: int             # per rank, for the KV cache
+    kv_bytes_per_token: float       # per rank, block padding included
+    kv_block_size: int
+    kv_num_blocks: int
+    kv_tokens: int                  # vLLM's "KV cache size: N tokens" (per rank)
+    max_concurrency: float          # requests of max_model_len at once
+    max_context_at_max_num_seqs: int
+    max_model_len_that_fits: int    # one request
+    kv_caches: tuple[tuple[str, int, int], ...]
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        i = self.inputs
+        return {
+            "fits": self.fits,
+            "model_dir": str(i.model_dir),
+            "architecture": self.architecture,
+            "tensor_parallel_size": i.tensor_parallel_size,
+            "pipeline_parallel_size": i.pipeline_parallel_size,
+            "max_model_len": i.max_model_len,
+            "max_num_seqs": i.max_num_seqs,
+            "kv_cache_dtype": i.kv_cache_dtype,
+            "weight_bytes": self.weight_bytes,
+            "checkpoint_file_bytes": self.checkpoint_file_bytes,
+            "loaded_weight_bytes": self.loaded_weight_bytes,
+            "weight_bytes_per_rank": self.weight_bytes_per_rank,
+            "replicated_bytes": self.replicated_bytes,
+            "runtime_overhead_bytes": self.runtime_overhead_bytes,
+            "memory_per_rank_bytes": self.memory_per_rank_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_block_size": self.kv_block_size,
+            "kv_num_blocks": self.kv_num_blocks,
+            "kv_tokens": self.kv_tokens,
+            "max_concurrency": round(self.max_concurrency, 4),
+            "max_context_at_max_num_seqs": self.max_context_at_max_num_seqs,
+            "max_model_len_that_fits": self.max_model_len_that_fits,
+            "kv_caches": [
+                {"cache": n, "layers": c, "page_bytes": p} for n, c, p in self.kv_caches
+            ],
+            "problems": list(self.problems),
+            "notes": list(self.notes),
+        }
+
+    def render_text(self) -> str:
+        i = self.inputs
+
+        def gib(n: float) -> str:
+            return f"{n / GiB:,.2f} GiB"
+
+        rows = [
+            ("model", f"{i.model_dir} ({self.architecture})"),
+            ("parallelism", f"TP={i.tensor_parallel_size} PP={i.pipeline_parallel_size}"),
+            ("checkpoint weights", gib(self.weight_bytes)),
+            ("loaded weights", gib(self.loaded_weight_bytes)),
+            ("weights per rank", f"{gib(self.weight_bytes_per_rank)}"
+                                 f" ({gib(self.replicated_bytes)} replicated)"),
+            ("runtime reserve per rank", gib(self.runtime_overhead_bytes)),
+            ("memory per rank", gib(self.memory_per_rank_bytes)),
+            ("KV cache per rank", gib(self.kv_cache_bytes)),
+            ("KV bytes per token", f"{self.kv_bytes_per_token:,.1f}"
+                                   f" ({i.kv_cache_dtype}, block {self.kv_block_size})"),
+            ("KV tokens per rank", f"{self.kv_tokens:,}"),
+            ("max_model_len", f"{i.max_model_len:,}"
+                              f" (one request fits up to {self.max_model_len_that_fits:,})"),
+            (f"context at {i.max_num_seqs} seqs", f"{self.max_context_at_max_num_seqs:,}"),
+            ("fits", "yes" if self.fits else "NO"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+        lines += [f"problem: {p}" for p in self.problems]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def _largest_context(layout: KVLayout, num_blocks: int, seqs: int, limit: int) -> int:
+    """Largest L with seqs * blocks_per_request(L) <= num_blocks (0 if none).
+
+    vLLM reserves blocks per request at admission with the same per-request
+    bound it uses for the capacity figure (single_type_kv_cache_manager.py:
+    min(cdiv(tokens, block), max_admission_blocks_per_request)), so this is the
+    context each of `seqs` requests is sure to be admitted with.
+    """
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if seqs * layout.blocks_per_request(mid) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    facts = load_model_facts(inputs.model_dir)
+    return plan_from_facts(facts, inputs)
+
+
+def plan_from_facts(facts: ModelFacts, inputs: PlanInputs) -> Plan:
+    tp, pp = inputs.tensor_parallel_size, inputs.pipeline_parallel_size
+    cfg = facts.config
+    notes: list[str] = []
+    problems: list[str] = []
+
+    with_draft = inputs.num_speculative_tokens > 0
+    weights = split_weights(facts, with_draft)
+    per_rank = weights.per_rank(tp, pp)
+    if not facts.tensors:
+        notes.append(
+            f"no *.safetensors shards in {facts.model_dir}: weights not counted "
+            "(a config-only model served with --load-format dummy?)"
+        )
+    if weights.draft_bytes and not with_draft:
+        notes.append(
+            f"{weights.draft_bytes / GiB:.2f} GiB of draft (MTP) weights are not "
+            "loaded without speculative decoding"
+        )
+
+    overhead = inputs.runtime_overhead_bytes
+    if overhead is None:
+        if facts.is_deepseek_v4:
+            overhead = DSV4_RUNTIME_OVERHEAD_BYTES
+        else:
+            overhead = 0
+            notes.append(
+                "activation / CUDA-graph reserve not estimated for this model: "
+                "set runtime_overhead_bytes, or kv_cache_memory_bytes"
+            )
+
+    layout = kv_layout(facts, inputs)
+    budget = int(inputs.gpu_memory_utilization * inputs.usable_memory_bytes)
+    if inputs.kv_cache_memory_bytes is not None:
+        kv_bytes = inputs.kv_cache_memory_bytes
+        memory_per_rank = per_rank + overhead + kv_bytes
+        if memory_per_rank > inputs.usable_memory_bytes:
+            room = inputs.usable_memory_bytes - per_rank - overhead
+            problems.append(
+                f"weights ({per_rank / GiB:.2f} GiB) + reserve ({overhead / GiB:.2f} GiB) "
+                f"+ kv_cache_memory_bytes ({kv_bytes / GiB:.2f} GiB) exceed the "
+                f"{inputs.usable_memory_bytes / GiB:.2f} GiB of one rank: "
+                + (f"lower kv_cache_memory_bytes to {max(room, 0)}" if room > 0
+                   else _raise_tp_hint(weights, inputs, overhead))
+            )
+    else:
+        memory_per_rank = budget
+        kv_bytes = max(0, budget - per_rank - overhead)
+        if per_rank + overhead >= budget:
+            problems.append(
+                f"weights ({per_rank / GiB:.2f} GiB per rank) + reserve "
+                f"({overhead / GiB:.2f} GiB) do not fit in gpu_memory_utilization "
+                f"{inputs.gpu_memory_utilization} x {inputs.usable_memory_bytes / GiB:.2f} GiB"
+                f" = {budget / GiB:.2f} GiB: " + _raise_tp_hint(weights, inputs, overhead)
+            )
+
+    num_blocks = kv_bytes // layout.block_stride
+    per_request = layout.blocks_per_request(inputs.max_model_len)
+    concurrency = num_blocks / per_request
+    kv_tokens = int(concurrency * inputs.max_model_len)
+    limit = int(cfg.get("max_position_embeddings") or inputs.max_model_len)
+    limit = max(limit, inputs.max_model_len)
+    one_request = _largest_context_bytes(layout, kv_bytes, limit)
+    at_seqs = _largest_context(layout, num_blocks, inputs.max_num_seqs, limit)
+
+    if not problems and layout.bytes_needed_for_one_request(inputs.max_model_len) > kv_bytes:
+        problems.append(
+            f"the KV cache ({kv_bytes / GiB:.2f} GiB per rank) cannot hold one request of "
+            f"max_model_len {inputs.max_model_len:,}: lower max_model_len to "
+            f"{one_request:,}, or give the KV cache more memory (gpu_memory_utilization, "
+            "kv_cache_memory_bytes, a larger tensor_parallel_size)"
+        )
+    if not problems and at_seqs < inputs.max_model_len:
+        seqs_full = int(concurrency)
+        notes.append(
+            f"{inputs.max_num_seqs} concurrent requests can hold {at_seqs:,} tokens each; "
+            f"{seqs_full} request(s) of the full {inputs.max_model_len:,} tokens fit at once "
+            f"(lower max_num_seqs to {max(seqs_full, 1)} to guarantee full-length requests)"
+        )
+
+    return Plan(
+        inputs=inputs,
+        architecture=facts.architecture,
+        fits=not problems,
+        weight_bytes=facts.weight_bytes,
+        checkpoint_file_bytes=facts.shard_file_bytes,
+        loaded_weight_bytes=weights.loaded_bytes,
+        weight_bytes_per_rank=per_rank,
+        replicated_bytes=weights.replicated_bytes,
+        runtime_overhead_bytes=overhead,
+        memory_per_rank_bytes=memory_per_rank,
+        kv_cache_bytes=kv_bytes,
+        kv_bytes_per_token=layout.bytes_per_token,
+        kv_block_size=layout.block_size,
+        kv_num_blocks=num_blocks,
+        kv_tokens=kv_tokens,
+        max_concurrency=concurrency,
+        max_context_at_max_num_seqs=at_seqs,
+        max_model_len_that_fits=one_request,
+        kv_caches=layout.detail,
+        problems=problems,
+        notes=notes,
+    )
+
+
+def _largest_context_bytes(layout: KVLayout, kv_bytes: int, limit: int) -> int:
+    """Largest max_model_len that passes vLLM's start-up check for one request."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if layout.bytes_needed_for_one_request(mid) <= kv_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _raise_tp_hint(weights: WeightSplit, inputs: PlanInputs, overhead: int) -> str:
+    """Say which larger tensor_parallel_size (or utilization) would hold the weights."""
+    budget = (
+        inputs.usable_memory_bytes
+        if inputs.kv_cache_memory_bytes is not None
+        else int(inputs.gpu_memory_utilization * inputs.usable_memory_bytes)
+    )
+    hints = []
+    tp = inputs.tensor_parallel_size * 2
+    while tp <= 64:
+        if weights.per_rank(tp, inputs.pipeline_parallel_size) + overhead < budget:
+            hints.append(f"raise tensor_parallel_size to {tp}")
+            break
+        tp *= 2
+    need = weights.per_rank(inputs.tensor_parallel_size, inputs.pipeline_parallel_size)
+    need += overhead
+    if inputs.kv_cache_memory_bytes is None and need < inputs.usable_memory_bytes:
+        hints.append(
+            f"raise gpu_memory_utilization above {need / inputs.usable_memory_bytes:.2f}"
+        )
+    return " or ".join(hints) if hints else "this model does not fit these nodes"

@@ -1,0 +1,35 @@
+"""The plan of a cluster file: which of its settings the plan reads (`dspark plan`, and `dspark
+serve` before it starts vLLM). Formerly dspark/planning.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .facts import GiB, serving_default
+from .fit import Plan, PlanInputs, make_plan
+
+
+def plan_inputs(cluster, model_dir: Path | None = None) -> PlanInputs:
+    """The plan's inputs from a config.Cluster (its serving section and model path)."""
+    s = cluster.serving
+    util = s.gpu_memory_utilization
+    return PlanInputs(
+        model_dir=Path(model_dir or cluster.model.path),
+        tensor_parallel_size=s.tensor_parallel_size,
+        pipeline_parallel_size=s.pipeline_parallel_size,
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs,
+        block_size=s.block_size,
+        kv_cache_dtype=s.kv_cache_dtype or "auto",
+        # With kv_cache_memory_bytes set the utilization is not used; the config's default otherwise.
+        gpu_memory_utilization=util if util is not None else serving_default("gpu_memory_utilization"),
+        kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+        usable_memory_bytes=int(s.usable_memory_gib * GiB),
+        num_speculative_tokens=s.num_speculative_tokens,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        async_scheduling=s.async_scheduling,
+    )
+
+
+def plan_for_cluster(cluster, model_dir: Path | None = None) -> Plan:
+    return make_plan(plan_inputs(cluster, model_dir))

@@ -1,0 +1,84 @@
+"""Signals at the edges of `dspark serve`'s life (issue 12 item 4), against the stand-in vLLM:
+SIGHUP restarts the node through a failure exit, SIGTERM during the restart backoff keeps the
+failure history, a SIGKILLed supervisor takes its vLLM with it (parent-death signal), and a
+SIGINT in the first instants gives no traceback."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from pairlib import dspark_cmd
+from dspark.supervisor import EXIT_DIED, EXIT_OK
+from test_supervisor import alive, serve, write_cluster  # noqa: F401 (serve is a fixture)
+
+
+def test_sighup_stops_vllm_and_exits_as_a_failure_so_systemd_restarts_the_node(tmp_path, serve):
+    s = serve(write_cluster(tmp_path), "h")
+    s.read(until="READY=1")
+    pid = s.state()["vllm_pid"]
+    s.proc.send_signal(signal.SIGHUP)
+    rc = s.wait()
+    # Restart=on-failure restarts only a non-zero exit: 0 would leave the node down for good.
+    assert rc == EXIT_DIED, (rc, s.messages[-3:])
+    assert not alive(pid)
+    assert "SIGHUP" in s.messages[-1] and "restart" in s.messages[-1], s.messages[-1]
+
+
+def test_sigterm_during_the_restart_backoff_keeps_the_failure_history(tmp_path, serve):
+    cluster = write_cluster(tmp_path)
+    state_dir = tmp_path / "state-h"
+    state_dir.mkdir()
+    failures = state_dir / "failures.json"
+    failures.write_text(json.dumps({"consecutive": 3, "last": "exit 4: liveness lost"}))
+    s = serve(cluster, "h", INVOCATION_ID="test")  # backoff only under systemd
+    s.read(until="backoff: 3 failed runs", timeout=15)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait() == EXIT_OK
+    d = json.loads(failures.read_text())
+    # Stopped before even starting: the three failures in a row still stand (the next start
+    # waits again), and the run that never started is not counted as a fourth.
+    assert d["consecutive"] == 3, d
+    assert d["last"] == "exit 4: liveness lost", d
+
+
+def test_a_sigkilled_supervisor_does_not_orphan_vllm(tmp_path, serve):
+    s = serve(write_cluster(tmp_path), "h")
+    s.read(until="READY=1")
+    pid = s.state()["vllm_pid"]
+    s.proc.send_signal(signal.SIGKILL)  # outside systemd: no KillMode= sweeps the group
+    s.proc.wait()
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    gone = not alive(pid)
+    if not gone:
+        os.killpg(pid, signal.SIGKILL)
+    assert gone, "vLLM outlived its supervisor"
+
+
+@pytest.mark.parametrize("delay", [0.02, 0.05, 0.08, 0.11, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8])
+def test_sigint_in_the_first_instants_gives_no_traceback(tmp_path, delay):
+    cluster = write_cluster(tmp_path)
+    proc = subprocess.Popen(dspark_cmd("serve", "--config", str(cluster), "--node", "h", "--skip-plan",
+                                       "--state-dir", str(tmp_path / "state")),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "STANDIN_ENV_FILE": str(tmp_path / "env.json")})
+    try:
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # Python's own start (runpy, site) can be interrupted before dspark's first line runs:
+    # no program can install a handler earlier. From dspark's first line on, no traceback.
+    tb = out[out.index("Traceback"):] if "Traceback" in out else ""
+    assert "dspark" not in tb and "click" not in tb, out
+    assert "Aborted" not in out, out
+    # Stopped on request: exit 0 (handled) or death by SIGINT (before Python could handle it).
+    assert proc.returncode in (EXIT_OK, -signal.SIGINT), (proc.returncode, out)
