@@ -18,7 +18,8 @@ _forward_decode / _forward_prefill are then called with index tensors of the
 widths the builders allocated (only the Triton index builders, which cannot
 run on a CPU, are replaced by row-preserving stand-ins), and the FlashInfer
 entry point is replaced by a recorder that refuses every call the locked
-FlashInfer would refuse (flashinfer_facts.py, read from its sources).
+FlashInfer would refuse (flashinfer_facts.py, read from its sources). The
+SM120 class's own start-up check runs too, with DSpark's non-causal width.
 """
 
 from __future__ import annotations
@@ -417,6 +418,40 @@ def run_widths(layers: Layers, fi) -> tuple[list[str], list[dict]]:
     return sorted(set(errors)), recorder.calls, {k: sorted(v) for k, v in rows.items()}
 
 
+def check_init(layers: Layers, fi) -> list[str]:
+    """The SM120 class's own start-up check, with DSpark's non-causal SWA
+    width, against FlashInfer's table (the parent class's weight set-up is
+    skipped: it needs the checkpoint's quantized linear layers)."""
+    import torch
+    import vllm.utils.flashinfer as fu
+    from vllm.models.deepseek_v4 import attention as attn_mod
+    from vllm.models.deepseek_v4.nvidia import flashinfer_sparse
+
+    fu.has_flashinfer_sparse_mla_sm120_config = (
+        lambda h, k: (int(h), int(k)) in fi.decode_dispatch)
+    flashinfer_sparse.compute_fp8_einsum_recipe = lambda: (None, False)
+    hf = layers.vc.model_config.hf_config
+
+    def parent_init(self, vllm_config, *args, **kwargs):
+        torch.nn.Module.__init__(self)
+        self.window_size = hf.sliding_window
+        self.padded_heads = HEADS_PER_RANK
+        self.kv_cache_torch_dtype = torch.uint8
+
+    saved = attn_mod.DeepseekV4Attention.__init__
+    attn_mod.DeepseekV4Attention.__init__ = parent_init
+    vc = layers.vc
+    vc.attention_config.use_non_causal = True
+    try:
+        flashinfer_sparse.DeepseekV4FlashInferSM120Attention(vc)
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return [f"start-up with DSpark k={NUM_SPEC}: {type(e).__name__}: {e}"]
+    finally:
+        attn_mod.DeepseekV4Attention.__init__ = saved
+        vc.attention_config.use_non_causal = False
+    return []
+
+
 def main() -> None:
     site = Path(sys.argv[1])
     cache_dtypes = (sys.argv[2] if len(sys.argv) > 2 else "nvfp4_ds_mla").split(",")
@@ -448,6 +483,11 @@ def main() -> None:
             widths = sorted({(c["tokens"] <= fi.decode_max_tokens, c["topk"], c["extra_topk"])
                              for c in calls}, key=str)
             results[f"{key}: widths seen"] = json.dumps(widths)
+            try:
+                problems = check_init(layers, fi)
+            except Exception:
+                problems = [traceback.format_exc()]
+            results[f"{key}: start-up check"] = "\n".join(problems) or "ok"
     print("@@RESULTS@@" + json.dumps(results))
 
 

@@ -16,7 +16,7 @@ from . import flashinfer_facts
 
 CHECKS = Path(__file__).with_name("kv_layout_checks.py")
 LENS = (4096, 131072, 350000, 1048576)
-ASPECTS = ("pages_and_strides", "group_pages_disjoint", "index widths")
+ASPECTS = ("pages_and_strides", "group_pages_disjoint", "index widths", "start-up check")
 DTYPES = ("nvfp4_ds_mla", "fp8_ds_mla")
 
 
@@ -93,6 +93,7 @@ def test_stock_vllm_fails_the_dspark_draft_width(stock_site, flashinfer):
     results = run_layout_checks(stock_site, ("fp8_ds_mla",))
     widths = results["fp8_ds_mla max_model_len=350000: index widths"]
     assert "topk=192" in widths, widths
+    assert "top_k=192" in results["fp8_ds_mla max_model_len=350000: start-up check"]
     # and it launches 2-row prefills as they come.
     rows = json.loads(results["fp8_ds_mla max_model_len=350000: rows seen"])
     assert rows["prefill 2 tokens"] == [2], rows
