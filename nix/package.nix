@@ -24,6 +24,7 @@ python3Packages.buildPythonApplication {
   build-system = [ python3Packages.setuptools ];
   dependencies = with python3Packages; [
     click
+    httpx
     prometheus-client
   ];
 
