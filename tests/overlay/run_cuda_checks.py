@@ -2,7 +2,7 @@
 
 Loads ``vllm/utils/spark_sm12x.py`` straight out of overlay/0001 (the module
 imports only torch), runs tensor_checks on ``cuda`` and prints a JSON report
-(device, torch version, per-check result and timings of the two hot helpers).
+(device, torch version, per-check result).
 
     python3 tests/overlay/run_cuda_checks.py [OUT_DIR]
 """
@@ -13,7 +13,6 @@ import importlib.util
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -46,17 +45,6 @@ def load_module(directory: Path):
     return module
 
 
-def _time_us(fn, repeats: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats * 1e6
-
-
 def main() -> int:
     assert torch.cuda.is_available(), "no CUDA device"
     sys.path.insert(0, str(HERE))
@@ -65,16 +53,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         m = load_module(Path(tmp))
         results = run_all(m, "cuda")
-        cache = torch.zeros(64, 256, 584, dtype=torch.uint8, device="cuda")
-        idx = torch.zeros(72, 1, 192, dtype=torch.int32, device="cuda")
         report = {
             "device": torch.cuda.get_device_name(0),
             "capability": list(torch.cuda.get_device_capability(0)),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "results": results,
-            "page_view_us": _time_us(lambda: m.view_as_sm120_pages(cache)),
-            "pad_192_to_512_us_72_tokens": _time_us(lambda: m.pad_sparse_indices(idx)),
         }
     text = json.dumps(report, indent=2)
     print(text)
