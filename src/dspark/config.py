@@ -183,6 +183,9 @@ class NodeConfig:
     gid_index: str | None = _f(
         None, help="NCCL_IB_GID_INDEX: a number, or 'auto' to resolve the RoCEv2 IPv4 GID from sysfs at launch.",
         example="auto")
+    allow_default_route: bool = _f(
+        False, help="Let socket_ifname be the interface of the default route (dspark check refuses it otherwise: "
+                    "the fabric belongs on the dedicated link, not the management or internet one).", example=False)
     role: str | None = _f(None, help="Optional check: 'head' (rank 0) or 'worker'.", example="head")
     api_host: str = _f("0.0.0.0", help="Address the head's API binds.", example="0.0.0.0")
     api_port: int = _f(8888, help="Head's OpenAI-compatible API port.", example=8888)
@@ -480,6 +483,9 @@ def check(c: Cluster) -> list[str]:
         if n.gid_index == "auto" and _is_ipv6(n.address):
             p.append(f"{where}.gid_index: \"auto\" finds the RoCEv2 GID of an IPv4 address, and {n.address} is "
                      "IPv6; give the GID index as a number (show_gids lists them)")
+        if n.allow_default_route and n.socket_ifname is None:
+            p.append(f"{where}.allow_default_route: allows socket_ifname to carry the default route, and no "
+                     "socket_ifname is set; set socket_ifname or remove allow_default_route")
         if n.gid_index is not None and n.rdma_device is None:
             p.append(f"{where}.gid_index: needs rdma_device (the GID belongs to an RDMA device)")
         for key in ("api_port", "master_port", "agent_port"):
