@@ -50,10 +50,14 @@ class NodeState:
     liveness: Liveness | None = None
     api_url: str | None = None
     dspark_version: str = __version__
+    # What `dspark check` on a peer compares (dspark.preflight.peer.local_identity): the cluster
+    # file's SHA-256, the model directory's fingerprint, vLLM's version and sources' SHA-256.
+    identity: dict | None = None
 
     def snapshot(self) -> dict:
         d = asdict(self)
         now = time.time()
         d["uptime_s"] = round(now - self.started_at, 3)
         d["state_for_s"] = round(now - self.state_since, 3)
+        d["time"] = now  # this node's clock: a peer's check compares it with its own
         return d
