@@ -43,6 +43,8 @@ class LazyGroup(click.Group):
         "systemd": ("dspark.units", "cli", "Render and install the systemd units."),
         "bench": ("dspark.bench.cli", "bench", "Benchmarks: prefill, decode, compare."),
         "dashboard": ("dspark.dashboard.cli", "dashboard", "Live dashboard of the pair (web page)."),
+        "check": ("dspark.preflight.cli", "check", "Host preflight: fabric, RDMA, kernel, GPU, memory, model, "
+                  "ports, peers."),
     }
 
     def list_commands(self, ctx):
@@ -167,11 +169,14 @@ def render_cmd(config_path: Path | None, node: str | None, as_json: bool) -> Non
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), envvar="STATE_DIRECTORY",
               help="Where restarts are counted (default: $STATE_DIRECTORY from systemd).")
 @click.option("--skip-plan", is_flag=True, help="Start even if the memory plan says it does not fit.")
-def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None, skip_plan: bool) -> None:
+@click.option("--check", "preflight", is_flag=True,
+              help="Run `dspark check` first (the units do): refuse to start on a fail; every line is logged.")
+def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None, skip_plan: bool,
+              preflight: bool) -> None:
     """Run this node: supervise vLLM, report to systemd, serve the node agent.
 
-    Exit codes: 0 stopped, 2 refused (config or memory plan), 3 never became ready,
-    4 died while serving (or lost its pair).
+    Exit codes: 0 stopped, 2 refused (config, host check or memory plan), 3 never became
+    ready, 4 died while serving (or lost its pair).
     """
     from .signals import SignalQueue
 
@@ -182,6 +187,14 @@ def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None
 
     cluster = load_cluster(config_path)
     this = pick_node(cluster, node)
+    from . import preflight as P
+
+    if preflight:
+        identity, refusal = P.gate(cluster, this, say=lambda line: click.echo(line, err=True))
+        if refusal:
+            fail(refusal, EXIT_CONFIG)
+    else:
+        identity = P.identity(cluster)
     if not skip_plan:
         from .plan import PlanError, plan_for_cluster
 
@@ -194,7 +207,7 @@ def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None
     if state_dir is not None and ":" in str(state_dir):
         state_dir = Path(str(state_dir).split(":")[0])  # systemd lists several directories with ':'
     try:
-        code = serve(cluster, this, state_dir=state_dir, signals=signals)
+        code = serve(cluster, this, state_dir=state_dir, signals=signals, identity=identity)
     except OSError as e:  # e.g. the agent's port is taken, vLLM's command not found
         fail(f"serve: {e}", EXIT_CONFIG)
     sys.exit(code)

@@ -294,11 +294,13 @@ def _count_start(state_dir: Path | None) -> int:
 
 
 def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
-          signals: SignalQueue | None = None) -> int:
+          signals: SignalQueue | None = None, identity: dict | None = None) -> int:
     """The body of `dspark serve` (the CLI checks the memory plan first): supervise until
     stopped. Returns the exit code. `signals`: a queue installed earlier (the CLI installs
-    it first thing, so that no signal is lost while the cluster file is read)."""
+    it first thing, so that no signal is lost while the cluster file is read). `identity`:
+    what the agent reports for a peer's `dspark check` (dspark.preflight.peer.local_identity)."""
     # The restart backoff only matters where something restarts the node: under systemd.
     sup = Supervisor(cluster, node, state_dir=state_dir, api_key=read_api_key(),
                      backoff="INVOCATION_ID" in os.environ, signals=signals or SignalQueue().install())
+    sup.state.identity = identity
     return sup.run()

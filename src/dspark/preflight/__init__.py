@@ -1,0 +1,161 @@
+"""`dspark check`: the host preflight. What wedges two-node GB10 deployments in the public
+record is mostly the host, not vLLM; each check here looks at one such cause before vLLM
+starts and says ok, warn or fail, what it saw and the fix.
+
+  net.py        the fabric address on socket_ifname, the link, wireless, the default route;
+                the RDMA device, port and RoCE v2 GID; the kernel against data/roce_kernels.toml
+  host.py       the GPU and driver (NVML), free memory against the plan, swap and OOM killers,
+                the units' cache directories
+  model_dir.py  config.json, the shards the index names, readable by the service user, whole
+  peer.py       this node's identity (served in the agent's /state), its ports, the peers
+
+Run on demand (`dspark check`), by `dspark serve --check` (what the units run: a fail
+refuses the start with exit 2) and by `dspark local up` before each node starts. Every check
+takes its roots (/sys, /proc) from `Host`, so tests build their own trees.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from ..config import Cluster, NodeConfig
+from .result import FAIL, OK, WARN, Check, Report, fail, ok, warn  # noqa: F401 (the package's API)
+
+
+@dataclass
+class Host:
+    """Where the checks look. The defaults are this machine."""
+
+    sys: Path = Path("/sys")
+    proc: Path = Path("/proc")
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    # Interface name -> addresses; None: ask the kernel (netlink).
+    addresses: Callable[[], dict[str, list[str]]] | None = None
+    nvml: Callable[[], dict] | None = None
+    peers: bool = True       # compare with the peers' agents
+    identity: dict | None = None  # this node's identity, when already known
+
+    @property
+    def under_unit(self) -> bool:
+        """Running as a dspark unit: systemd set $INVOCATION_ID and $CACHE_DIRECTORY."""
+        return bool(self.environ.get("INVOCATION_ID") and self.environ.get("CACHE_DIRECTORY"))
+
+
+def _guard(name: str, fn: Callable[[], list[Check]]) -> list[Check]:
+    """A check that breaks reports itself as a fail line, never a traceback."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 (the boundary: every other check still runs)
+        return [fail(name, f"the check itself failed: {type(e).__name__}: {e}", "report this as a dspark bug")]
+
+
+def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
+    """Every check for `node` on this host, in the order a reader fixes them."""
+    from ..units import USER
+    from . import host as H
+    from . import model_dir as M
+    from . import net as N
+    from . import peer as P
+
+    host = host or Host()
+    report = Report(node.name)
+    add = report.checks.extend
+
+    def addresses() -> dict[str, list[str]] | None:
+        try:
+            return (host.addresses or N.netlink_addresses)()
+        except OSError:
+            return None
+
+    add(_guard("net", lambda: N.check_interface(node, host.sys, host.proc, addresses())))
+    add(_guard("rdma", lambda: N.check_rdma(node, host.sys)))
+    add(_guard("kernel", lambda: N.check_kernel(node, host.proc)))
+
+    nvml: dict = {}
+
+    def gpu() -> list[Check]:
+        nvml.update((host.nvml or H.read_nvml)())
+        return H.check_gpu(nvml, cluster.serving.gpus_per_node)
+
+    add(_guard("gpu", gpu))
+    own = _guard_value(lambda: P.own_agent_state(node)) if host.peers else None
+    running = None
+    if own and own.get("vllm_pid"):
+        running = f"pid {own['vllm_pid']}, {own.get('state')}"
+
+    user = M.service_user(USER, host.under_unit)
+    facts_box: list = [None]
+
+    def model() -> list[Check]:
+        checks, facts_box[0] = M.check_model_dir(cluster.model.path, cluster.serving.load_format, user)
+        return checks
+
+    add(_guard("model", model))
+
+    def memory() -> list[Check]:
+        from ..plan import PlanError, plan_from_facts, plan_inputs
+
+        need, why = None, "the model directory did not pass"
+        if facts_box[0] is not None or cluster.serving.load_format == "dummy":
+            try:
+                if facts_box[0] is not None:
+                    plan = plan_from_facts(facts_box[0], plan_inputs(cluster))
+                else:
+                    from ..plan import plan_for_cluster
+
+                    plan = plan_for_cluster(cluster)
+                need = plan.memory_per_rank_bytes
+            except PlanError as e:
+                why = str(e)
+        return H.check_memory(need, why, nvml, host.proc, running)
+
+    add(_guard("memory.free", memory))
+    add(_guard("memory", lambda: H.check_swap_oom(host.proc)))
+    add(_guard("cache", lambda: H.check_caches(host.environ, host.under_unit)))
+    add(_guard("port", lambda: P.check_ports(cluster, node, host.proc, own)))
+    identity = host.identity
+    if identity is None:
+        identity = _guard_value(lambda: P.local_identity(cluster)) or {}
+    report.identity = identity
+    if identity.get("error"):
+        report.checks.append(warn("runtime", f"vLLM's runtime not identified: {identity['error']}",
+                                  "check serving.vllm_command (`dspark render` shows the command)"))
+    else:
+        report.checks.append(ok("runtime", f"vLLM {identity.get('vllm_version') or '?'}, sources "
+                                f"{(identity.get('vllm_sources_sha256') or '?')[:12]} "
+                                f"({identity.get('vllm_sources_files', 0)} files)"))
+    if host.peers:
+        add(_guard("peer", lambda: P.check_peers(cluster, node, identity)))
+    return report
+
+
+def _guard_value(fn):
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 (an optional fact: its absence is reported by the check using it)
+        return None
+
+
+def gate(cluster: Cluster, node: NodeConfig, say: Callable[[str], None], host: Host | None = None,
+         ) -> tuple[dict, str | None]:
+    """`dspark serve --check` (what the units run) and `dspark local up`: every line to `say`
+    (the journal under systemd), and the refusal message when a check failed, else None.
+    Returns this node's identity for the agent's /state as well."""
+    report = run(cluster, node, host)
+    for line in report.lines():
+        say(f"dspark[{node.name}]: check {line}")
+    say(f"dspark[{node.name}]: check {report.summary()}")
+    if not report.failed:
+        return report.identity or {}, None
+    why = "; ".join(f"{c.name}: {c.seen} (fix: {c.fix})" for c in report.failed)
+    return report.identity or {}, f"refusing to start: dspark check failed: {why}"
+
+
+def identity(cluster: Cluster) -> dict:
+    """This node's identity without the checks (`dspark serve` without --check)."""
+    from .peer import local_identity
+
+    return _guard_value(lambda: local_identity(cluster)) or {}

@@ -1,0 +1,165 @@
+"""The model directory: config.json, every shard its index names (present, readable by the
+service user, whole), and its size against what the memory plan reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from .result import Check, fail, ok, warn
+
+GiB = 1 << 30
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ServiceUser:
+    name: str
+    uid: int
+    gids: frozenset[int]
+    why: str  # how it was chosen, for the line
+
+
+def service_user(unit_user: str, under_unit: bool) -> ServiceUser:
+    """Who reads the model: this process's user when it runs as the unit (or when the units'
+    user does not exist here: `dspark local`, a development machine); else the units' user."""
+    me = pwd.getpwuid(os.getuid()).pw_name if _has_uid(os.getuid()) else str(os.getuid())
+    if not under_unit:
+        try:
+            pw = pwd.getpwnam(unit_user)
+            return ServiceUser(pw.pw_name, pw.pw_uid, frozenset(os.getgrouplist(pw.pw_name, pw.pw_gid)),
+                               "the units' user")
+        except KeyError:
+            pass
+    return ServiceUser(me, os.getuid(), frozenset(os.getgroups()) | {os.getgid()},
+                       "this process's user" + ("" if under_unit else f"; there is no {unit_user!r} user here"))
+
+
+def _has_uid(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
+
+
+def readable_by(path: Path, user: ServiceUser) -> str | None:
+    """Why `user` cannot read `path` (a file, or list a directory) by its mode bits and those of
+    every directory above it, or None. ACLs and the units' sandbox are not modelled."""
+    if user.uid == 0:
+        return None
+    path = Path(os.path.abspath(path))
+    chain = [*reversed(path.parents), path]
+    for i, p in enumerate(chain):
+        try:
+            st = p.stat()
+        except OSError as e:
+            return f"{p}: {e.strerror}"
+        last = i == len(chain) - 1
+        need = (stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(st.st_mode) else 0)) if last else stat.S_IXOTH
+        if st.st_uid == user.uid:
+            bits = (st.st_mode >> 6) & 7
+        elif st.st_gid in user.gids:
+            bits = (st.st_mode >> 3) & 7
+        else:
+            bits = st.st_mode & 7
+        if bits & need != need:
+            what = "read" if last else "enter"
+            return f"{p} (mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}) does not let {user.name} {what} it"
+    return None
+
+
+def check_model_dir(model_path: str, load_format: str | None, user: ServiceUser) -> tuple[list[Check], object]:
+    """Returns the checks and the model facts (dspark.plan.ModelFacts) when the shards parse."""
+    from ..plan import PlanError, load_model_facts
+
+    d = Path(model_path)
+    where = f"model.path {model_path}"
+    if not d.is_dir():
+        return [fail("model.dir", f"{where}: not a directory", "download the model to the same path on every node, "
+                     "or correct model.path")], None
+    cfg = d / "config.json"
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        return [fail("model.dir", f"{where}: no config.json", "an incomplete download: fetch the model again")], None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return [fail("model.dir", f"{cfg}: unreadable or not a JSON object ({e})", "fetch config.json again")], None
+    out: list[Check] = []
+    index_path = d / INDEX
+    present = sorted(p.name for p in d.glob("*.safetensors"))
+    expected_total = None
+    if index_path.exists():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+            weight_map = index["weight_map"]
+            named = sorted(set(weight_map.values()))
+            expected_total = (index.get("metadata") or {}).get("total_size")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return [fail("model.dir", f"{index_path}: not a safetensors index ({e})", "fetch it again")], None
+        missing = [n for n in named if n not in present]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            return [fail("model.shards", f"{len(missing)} of the {len(named)} shards {INDEX} names are missing: "
+                         f"{', '.join(missing[:5])}{more}", "finish the download (the same files on every node)")], None
+        extra = [n for n in present if n not in named]
+        out.append(ok("model.shards", f"config.json and all {len(named)} shards {INDEX} names"))
+        if extra:
+            out.append(warn("model.shards", f"{len(extra)} *.safetensors not in the index ({', '.join(extra[:3])}): "
+                            "the plan counts them, vLLM does not load them", "remove them from the model directory"))
+        files = named
+    elif present:
+        out.append(ok("model.shards", f"config.json and {len(present)} shard(s), no index"))
+        files = present
+    elif load_format == "dummy":
+        out.append(ok("model.shards", "config.json only: serving.load_format = \"dummy\" (random weights)"))
+        files = []
+    else:
+        return [fail("model.shards", f"{where}: config.json but no *.safetensors shards", "finish the download, or "
+                     "set serving.load_format = \"dummy\" for random weights")], None
+    unreadable = []
+    for name in ["config.json", *([INDEX] if index_path.exists() else []), *files]:
+        why = readable_by(d / name, user)
+        if why:
+            unreadable.append(why)
+    extra_files = [p for p in d.iterdir() if p.is_file() and p.name not in files and p.name not in ("config.json", INDEX)]
+    for p in sorted(extra_files)[:200]:  # tokenizer and generation config files vLLM also reads
+        why = readable_by(p, user)
+        if why:
+            unreadable.append(why)
+    if unreadable:
+        out.append(fail("model.readable", f"{user.name} ({user.why}) cannot read {len(unreadable)} file(s): "
+                        f"{unreadable[0]}", f"chmod -R a+rX {d} (or give {user.name}'s group read access)"))
+    else:
+        out.append(ok("model.readable", f"readable by {user.name} ({user.why})"))
+    if not files:
+        return out, None
+    try:
+        facts = load_model_facts(d)
+    except PlanError as e:
+        out.append(fail("model.size", str(e), "fetch that shard again (a truncated or corrupt download)"))
+        return out, None
+    seen = f"{facts.weight_bytes / GiB:.2f} GiB of tensors in {len(present)} shard(s), as the memory plan reads them"
+    if index_path.exists():
+        held = {(t.shard, t.name) for t in facts.tensors}
+        absent = [f"{k} ({v})" for k, v in weight_map.items() if (v, k) not in held]
+        if absent:
+            out.append(fail("model.size", f"{len(absent)} tensor(s) {INDEX} names are not in their shard's header: "
+                            f"{', '.join(absent[:3])}", "fetch those shards again (a mixed or partial download)"))
+            return out, facts
+        seen += f"; every tensor of the index is in its shard"
+    # The index's total_size is what the publisher wrote, not always the tensors' exact sum:
+    # a difference is worth a look, not a refusal (the headers above are the proof of a whole download).
+    if isinstance(expected_total, int) and not isinstance(expected_total, bool) and expected_total != facts.weight_bytes:
+        out.append(warn("model.size", f"{seen}; {INDEX} says total_size {expected_total:,} bytes, the shards hold "
+                        f"{facts.weight_bytes:,}", "compare with the publisher's file list; fetch the model again "
+                        "if a shard is from another revision"))
+        return out, facts
+    out.append(ok("model.size", seen))
+    return out, facts

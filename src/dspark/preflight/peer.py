@@ -1,0 +1,293 @@
+"""This node's identity (what its agent serves in /state: the cluster file's hash, the vLLM
+runtime's version and sources, the model directory's fingerprint), its ports, and the
+comparison with a peer whose agent answers: same cluster file, runtime and model, clocks
+within a second."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from ..config import Cluster, NodeConfig
+from .result import Check, fail, ok, warn
+
+CLOCK_TOLERANCE_S = 1.0
+
+
+# ------------------------------------------------------------------------------ identity
+def cluster_sha256(path: str | None) -> str | None:
+    """The cluster file's SHA-256, byte for byte (the same file on every node)."""
+    if not path:
+        return None
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _runtime_python(vllm_command: list[str]) -> str | None:
+    """The Python interpreter behind vLLM's command: `python -m ...`, a script's shebang, or the
+    `python` beside a wrapper (a venv's or the Nix runtime's bin/)."""
+    first = shutil.which(vllm_command[0]) if vllm_command else None
+    if first is None:
+        return None
+    if "python" in Path(first).name:
+        return first
+    try:
+        with open(first, "rb") as f:
+            line = f.readline(512)
+    except OSError:
+        return None
+    if line.startswith(b"#!") and b"python" in line:
+        words = line[2:].decode(errors="replace").split()
+        if words and words[0].endswith("/env") and len(words) > 1:
+            return shutil.which(words[1])
+        return words[0] if words else None
+    beside = Path(first).parent / "python"
+    return str(beside) if beside.exists() else None
+
+
+_FIND_VLLM = ("import importlib.util as u; s = u.find_spec('vllm'); "
+              "print(list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else '')")
+
+
+def runtime_identity(vllm_command: list[str], timeout_s: float = 30.0) -> dict:
+    """vLLM's version and a SHA-256 of its Python sources as installed (an overlay or any local
+    change to them alters it), found without importing vLLM."""
+    from ..overlay import OverlayError, installed_vllm_version
+
+    python = _runtime_python(vllm_command)
+    if python is None:
+        return {"error": f"cannot tell which Python runs {vllm_command[:1]}"}
+    try:
+        r = subprocess.run([python, "-c", _FIND_VLLM], capture_output=True, text=True, timeout=timeout_s,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": f"{python}: {e}"}
+    where = r.stdout.strip()
+    if r.returncode != 0 or not where:
+        return {"error": f"no vllm package for {python}"}
+    pkg = Path(where)
+    try:
+        version = installed_vllm_version(pkg.parent)
+    except OverlayError as e:
+        version, _ = None, e
+    h = hashlib.sha256()
+    count = 0
+    for dirpath, dirnames, filenames in os.walk(pkg):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            p = os.path.join(dirpath, name)
+            try:
+                with open(p, "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            rel = os.path.relpath(p, pkg).encode()
+            h.update(len(rel).to_bytes(4, "little") + rel + len(data).to_bytes(8, "little") + data)
+            count += 1
+    return {"vllm_version": version, "vllm_sources_sha256": h.hexdigest(), "vllm_sources_files": count}
+
+
+def model_fingerprint(model_path: str) -> str | None:
+    """SHA-256 of config.json, the index, and every shard's name and size: two nodes with the
+    same download agree; a missing, extra or truncated shard differs."""
+    d = Path(model_path)
+    h = hashlib.sha256()
+    try:
+        for name in ("config.json", "model.safetensors.index.json"):
+            if (d / name).exists():
+                h.update(name.encode() + b"\0" + (d / name).read_bytes())
+        for p in sorted(d.glob("*.safetensors")):
+            h.update(f"{p.name}\0{p.stat().st_size}\n".encode())
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def local_identity(cluster: Cluster) -> dict:
+    return {"cluster_sha256": cluster_sha256(cluster.source), "model_sha256": model_fingerprint(cluster.model.path),
+            **runtime_identity(cluster.serving.vllm_command)}
+
+
+# ------------------------------------------------------------------------------ ports
+def _listener_owner(port: int, proc: Path) -> tuple[int, str] | None:
+    """(pid, command line) of the process listening on TCP `port`, where /proc lets us see it."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f[9])
+    if not inodes:
+        return None
+    for pid_dir in proc.glob("[0-9]*"):
+        try:
+            for fd in (pid_dir / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    return int(pid_dir.name), _cmdline(pid_dir)
+        except OSError:
+            continue
+    return None
+
+
+def _cmdline(pid_dir: Path) -> str:
+    try:
+        return (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def _dspark_serve_ancestor(pid: int, proc: Path) -> int | None:
+    """The `dspark serve` process at or above `pid` (vLLM runs as its child), or None."""
+    for _ in range(32):
+        words = _cmdline(proc / str(pid)).split()
+        if "serve" in words and any(w.endswith("dspark") or w == "dspark" for w in words):
+            return pid
+        try:
+            stat = (proc / str(pid) / "stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if pid <= 1:
+            return None
+    return None
+
+
+def node_ports(cluster: Cluster, node: NodeConfig) -> list[tuple[str, str, int]]:
+    """(what, bind address, port) this node's processes listen on."""
+    out = [("agent_port", node.agent_bind, node.agent_port)]
+    if node.is_head:
+        out += [("master_port", node.address, node.master_port), ("api_port", node.api_host, node.api_port)]
+    return out
+
+
+def check_ports(cluster: Cluster, node: NodeConfig, proc: Path, own_state: dict | None) -> list[Check]:
+    """Each port free (a test bind), or held by this node's own dspark."""
+    out = []
+    for what, host, port in node_ports(cluster, node):
+        name = f"port.{what.removesuffix('_port')}"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                out.append(ok(name, f"{host}:{port} is free"))
+                continue
+            except OSError as e:
+                err = e
+        if err.errno == errno.EADDRNOTAVAIL:
+            out.append(fail(name, f"cannot bind {host}:{port}: {host} is not an address of this host",
+                            f"configure {host} on this host, or correct node {node.name!r}"))
+            continue
+        if err.errno != errno.EADDRINUSE:
+            out.append(fail(name, f"cannot bind {host}:{port}: {err.strerror}", "see the error"))
+            continue
+        owner = _listener_owner(port, proc)
+        serve_pid = _dspark_serve_ancestor(owner[0], proc) if owner else None
+        if serve_pid is not None or (what == "agent_port" and own_state is not None):
+            who = f"dspark serve (pid {serve_pid})" if serve_pid else f"this node's agent ({own_state.get('state')})"
+            out.append(ok(name, f"{host}:{port} is held by this node's own {who}"))
+            continue
+        who = f"pid {owner[0]}: {owner[1][:120]}" if owner else "a process this user cannot see (another user's)"
+        out.append(fail(name, f"{host}:{port} is in use by {who}",
+                        f"stop that process, or give node {node.name!r} another {what}"))
+    return out
+
+
+# ------------------------------------------------------------------------------ peers
+def own_agent_state(node: NodeConfig) -> dict | None:
+    """This node's /state when its own agent answers as this node (its dspark serve runs)."""
+    from ..agent_client import agent_state
+
+    s = agent_state(node.agent_url, timeout=1.0)
+    return s if s is not None and s.get("node") == node.name else None
+
+
+def check_peers(cluster: Cluster, node: NodeConfig, mine: dict) -> list[Check]:
+    from ..agent_client import fetch_state
+
+    out: list[Check] = []
+    for peer in cluster.nodes:
+        if peer.name == node.name:
+            continue
+        t0 = time.time()
+        answer = fetch_state(peer.agent_url, timeout=2.0)
+        t1 = time.time()
+        name = f"peer.{peer.name}"
+        s = answer.state
+        if s is None:
+            if peer.is_head and not node.is_head:
+                out.append(ok(name, f"the head's agent ({peer.agent_url}) is not up: it starts after the workers and "
+                              "compares itself with them then"))
+            else:
+                out.append(warn(name, f"{peer.agent_url} does not answer ({answer.error or 'no state'}): cluster "
+                                "file, runtime, model and clock not compared", f"start {peer.name} first "
+                                "(workers before the head), or check the fabric between the nodes"))
+            continue
+        theirs = s.get("identity") or {}
+        if not theirs:
+            out.append(warn(name, f"{peer.name}'s agent reports no identity (an older dspark?)",
+                            "install the same dspark on every node"))
+        else:
+            out += _compare(name, peer.name, mine, theirs)
+        if s.get("dspark_version") and s.get("dspark_version") != _dspark_version():
+            out.append(warn(f"{name}.dspark", f"{peer.name} runs dspark {s.get('dspark_version')}, this node "
+                            f"{_dspark_version()}", "install the same dspark on every node"))
+        peer_time = s.get("time")
+        if isinstance(peer_time, (int, float)) and not isinstance(peer_time, bool):
+            offset = peer_time - (t0 + t1) / 2
+            bound = (t1 - t0) / 2
+            seen = f"{peer.name}'s clock is {offset:+.3f} s from this node's (round trip {t1 - t0:.3f} s)"
+            if abs(offset) - bound > CLOCK_TOLERANCE_S:
+                out.append(warn(f"{name}.clock", seen + f", more than {CLOCK_TOLERANCE_S:g} s",
+                                "run NTP on both nodes (`timedatectl set-ntp true`; chrony or systemd-timesyncd)"))
+            else:
+                out.append(ok(f"{name}.clock", seen))
+    return out
+
+
+def _dspark_version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def _compare(name: str, peer: str, mine: dict, theirs: dict) -> list[Check]:
+    out = []
+    rows = [
+        ("cluster", "cluster_sha256", "cluster file", "copy the same cluster file to every node (NixOS: the same "
+         "services.dspark.settings), then restart both"),
+        ("model", "model_sha256", "model directory (config.json, index, shard names and sizes)",
+         "the same download on every node: compare `ls -l` of model.path on both"),
+        ("runtime", "vllm_sources_sha256", "vLLM sources (version and overlay)", "install the same runtime on every "
+         "node (the same flake revision, or `dspark overlay apply` on both)"),
+    ]
+    for short, key, what, fix in rows:
+        a, b = mine.get(key), theirs.get(key)
+        label = f"{name}.{short}"
+        if a is None or b is None:
+            out.append(warn(label, f"{what} not known on {'this node' if a is None else peer}",
+                            "see that node's own check"))
+        elif a != b:
+            extra = ""
+            if short == "runtime":
+                extra = f" (vLLM {mine.get('vllm_version')} here, {theirs.get('vllm_version')} on {peer})"
+            out.append(fail(label, f"{peer} differs in {what}{extra}: {b[:12]} there, {a[:12]} here", fix))
+        else:
+            extra = f": vLLM {mine.get('vllm_version')}" if short == "runtime" else ""
+            out.append(ok(label, f"same {what} as {peer}{extra} ({a[:12]})"))
+    return out
