@@ -219,9 +219,25 @@ def wait_state(pair: Pair, node: C.NodeConfig, states: tuple[str, ...], timeout_
         time.sleep(0.5)
 
 
+def preflight(cluster: C.Cluster, node: C.NodeConfig, progress: Progress, host=None) -> None:
+    """`dspark check` for `node` before it starts: warnings and failures shown, a failure stops."""
+    from .preflight import run
+
+    report = run(cluster, node, host)
+    for c in report.checks:
+        if c.status != "ok":
+            progress(f"  {node.name:<13} check {c.status}: {c.name}: {c.seen}")
+    if report.failed:
+        raise LocalError("dspark check failed for " + node.name + ": "
+                         + "; ".join(f"{c.name}: {c.seen} (fix: {c.fix})" for c in report.failed))
+    progress(f"  {report.summary()}")
+
+
 def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = print,
-       compile: bool = False, on_ready: Callable[[Pair], None] | None = None) -> int:
-    """Bring the pair up, report, and supervise until Ctrl-C / SIGTERM; always stop both."""
+       compile: bool = False, on_ready: Callable[[Pair], None] | None = None, check_host=None) -> int:
+    """Bring the pair up, report, and supervise until Ctrl-C / SIGTERM; always stop both.
+    Each node is checked (`dspark check`) right before it starts; `check_host`: where the
+    checks look (dspark.preflight.Host; default this machine)."""
     check_ports_free(ports)
     cluster_file = prepare(workdir, ports, compile)
     cluster = C.load(cluster_file)
@@ -236,9 +252,14 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
     t0 = time.monotonic()
     try:
         progress(f"dspark local: cluster {cluster_file}")
+        progress(f"checking the worker (rank 1, {worker.address})")
+        preflight(cluster, worker, progress, check_host)
         progress(f"starting the worker (rank 1, {worker.address}); logs in {pair.workdir / 'logs'}")
         pair.spawn(worker.name)
         wait_state(pair, worker, (A.RENDEZVOUS, A.SERVING), 600, progress, lambda: stop["sig"] is not None)
+        # The head is checked once the worker runs: its check compares the two nodes' cluster
+        # file, model, runtime and clocks through the worker's agent.
+        preflight(cluster, head, progress, check_host)
         progress(f"starting the head (rank 0, {head.address})")
         pair.spawn(head.name)
         wait_state(pair, head, (A.SERVING,), cluster.supervisor.ready_timeout_s, progress,
