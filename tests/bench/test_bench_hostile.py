@@ -165,3 +165,12 @@ def test_compare_labels_cannot_inject_markdown(tmp_path):
     assert not any(line.startswith("# heading") for line in r.stdout.splitlines())
     assert "\\<img" in r.stdout and "\\[link\\]" in r.stdout
     assert "<img" not in r.stdout.replace("\\<img", "") and "[link]" not in r.stdout
+
+
+def test_non_finite_figures_never_print_as_nan():
+    from dspark.bench import compare
+    from dspark.bench.report import fmt, ms
+
+    nan, inf = float("nan"), float("inf")
+    assert compare.gain(nan, 1.0, True) is None and compare.gain(1.0, inf, False) is None
+    assert fmt(nan) == fmt(inf) == ms(nan) == "n/a"
