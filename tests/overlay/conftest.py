@@ -39,18 +39,21 @@ def copy_vllm_tree(source_site: Path, dest_site: Path) -> Path:
     return dest_site
 
 
-def run_checks(site: Path) -> dict[str, str]:
-    """Run patched_checks.py with ``site`` first on the path; parse its JSON."""
-    env = dict(os.environ, PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1")
-    env.pop("PYTHONWARNINGS", None)
+def run_checks(site: Path, script: Path = CHECKS, *args: str, path: tuple[Path, ...] = (),
+               env: dict[str, str] | None = None, timeout: float = 600) -> dict[str, str]:
+    """Run a check script (default patched_checks.py) in a subprocess with ``site`` first
+    on the path (then ``path``); parse the JSON it prints after @@RESULTS@@."""
+    run_env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, (site, *path))),
+                   PYTHONDONTWRITEBYTECODE="1", **(env or {}))
+    run_env.pop("PYTHONWARNINGS", None)
     result = subprocess.run(
-        [sys.executable, str(CHECKS), str(site)],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
+        [sys.executable, str(script), str(site), *args],
+        capture_output=True, text=True, env=run_env, timeout=timeout, check=False,
     )
     for line in result.stdout.splitlines():
         if line.startswith("@@RESULTS@@"):
             return json.loads(line[len("@@RESULTS@@"):])
-    raise AssertionError(f"checks did not report:\n{result.stdout}\n{result.stderr}")
+    raise AssertionError(f"{script.name} did not report:\n{result.stdout}\n{result.stderr[-4000:]}")
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-import traceback
 from pathlib import Path
 
 PATCHED_MODULES = (
@@ -339,16 +338,9 @@ CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
 
 
 def main() -> None:
-    site = Path(sys.argv[1])
-    results = {}
-    for name, check in CHECKS.items():
-        try:
-            check(site)
-        except Exception:
-            results[name] = traceback.format_exc()
-        else:
-            results[name] = "ok"
-    print("@@RESULTS@@" + json.dumps(results))
+    from tensor_checks import run_all
+
+    print("@@RESULTS@@" + json.dumps(run_all(Path(sys.argv[1]), None, CHECKS)))
 
 
 if __name__ == "__main__":

@@ -5,14 +5,12 @@ SM120 dispatch (kv_layout_checks.py, run in a subprocess per tree)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from . import flashinfer_facts
+from .conftest import run_checks
 
 CHECKS = Path(__file__).with_name("kv_layout_checks.py")
 LENS = (4096, 131072, 350000, 1048576)
@@ -21,17 +19,7 @@ DTYPES = ("nvfp4_ds_mla", "fp8_ds_mla")
 
 
 def run_layout_checks(site: Path, dtypes: tuple[str, ...]) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1",
-               VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
-    env.pop("PYTHONWARNINGS", None)
-    result = subprocess.run(
-        [sys.executable, str(CHECKS), str(site), ",".join(dtypes)],
-        capture_output=True, text=True, env=env, timeout=900, check=False,
-    )
-    for line in result.stdout.splitlines():
-        if line.startswith("@@RESULTS@@"):
-            return json.loads(line[len("@@RESULTS@@"):])
-    raise AssertionError(f"checks did not report:\n{result.stdout}\n{result.stderr}")
+    return run_checks(site, CHECKS, ",".join(dtypes), env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}, timeout=900)
 
 
 @pytest.fixture(scope="session")

@@ -9,16 +9,13 @@ Contract: the overlay's calls and strings against the pinned b12x sources (b12x_
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from . import b12x_contract as contract
-from .conftest import OVERLAY_DIR
+from .conftest import OVERLAY_DIR, run_checks
 
 HERE = Path(__file__).resolve().parent
 NAMES = (
@@ -45,17 +42,7 @@ def run_moe_checks(site: Path, tmp: Path) -> dict[str, str]:
     finally:
         sys.path.remove(str(HERE))
     standin = b12x_standin.write_package(tmp / "standin")
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
-               PYTHONPATH=os.pathsep.join([str(site), str(standin), str(HERE)]))
-    env.pop("PYTHONWARNINGS", None)
-    result = subprocess.run(
-        [sys.executable, str(HERE / "moe_checks.py"), str(site)],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
-    )
-    for line in result.stdout.splitlines():
-        if line.startswith("@@RESULTS@@"):
-            return json.loads(line[len("@@RESULTS@@"):])
-    raise AssertionError(f"moe checks did not report:\n{result.stdout}\n{result.stderr[-4000:]}")
+    return run_checks(site, HERE / "moe_checks.py", path=(standin, HERE))
 
 
 @pytest.fixture(scope="module")
