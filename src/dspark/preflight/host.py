@@ -191,7 +191,7 @@ def check_caches(environ: Mapping[str, str], under_unit: bool) -> list[Check]:
     base = Path((environ.get("CACHE_DIRECTORY") or "").split(":")[0] or "/var/cache/dspark")
     cap = next(int(v) for k, v in CACHE_ENV if k == "CUDA_CACHE_MAXSIZE")
     dirs = [Path(environ[k]) if under_unit and environ.get(k) else Path(v.replace("%C/dspark", str(base)))
-            for k, v in CACHE_ENV if v.startswith("%C/")]
+            for k, v in CACHE_ENV if v.startswith("%C/dspark/")]
     probe = base
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
