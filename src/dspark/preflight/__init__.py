@@ -110,6 +110,8 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
                 need = plan.memory_per_rank_bytes
             except PlanError as e:
                 why = str(e)
+            except (KeyError, TypeError, ValueError) as e:  # a config.json the plan cannot read
+                why = f"the plan cannot read {cluster.model.path}/config.json: {type(e).__name__} {e}"
         return H.check_memory(need, why, nvml, host.proc, running)
 
     add(_guard("memory.free", memory))
