@@ -36,6 +36,7 @@ from .signals import SignalQueue
 from .vllm_process import VllmProcess
 
 FAILURES_FILE = "failures.json"
+STOPPED_LINGER_S = 1.5  # how long the agent keeps answering after a clean stop
 
 
 def resolve_gid_index(device: str, address: str, sysfs: Path = Path("/sys/class/infiniband")) -> str | None:
@@ -186,6 +187,11 @@ class Supervisor:
         finally:
             if self.vllm.running():
                 self._stop_vllm("supervisor exiting")
+            if code == EXIT_OK:
+                # A clean stop passes through stopping and stopped in well under a second: keep
+                # saying "stopped" for longer than one poll of the dashboard or a peer (1 s), or
+                # they see only a refused connection, which reads as a crash.
+                time.sleep(STOPPED_LINGER_S)
             self.agent.stop()
             self.notify.close()
 
