@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,6 +81,48 @@ def test_port_held_by_this_nodes_own_agent(tmp_path):
         assert by_name(P.check_ports(c2, c2.head, Path("/proc"), None))["port.agent"].status == "fail"
     finally:
         agent.stop()
+
+
+LISTENER = ("import socket, sys, time; s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); "
+            "print('up', flush=True); time.sleep(60)")
+
+
+def listener(host: str, port: int, *argv: str) -> subprocess.Popen:
+    """A real process listening on host:port whose command line ends in `argv`."""
+    p = subprocess.Popen([sys.executable, "-c", LISTENER, host, str(port), *argv], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "up"
+    return p
+
+
+def stop(p: subprocess.Popen) -> None:
+    p.kill()
+    p.wait()
+    p.stdout.close()
+
+
+def test_port_owner_is_matched_by_address_and_node(tmp_path):
+    port = free_port()
+    c = cluster(tmp_path, port, free_port())
+    # A dspark serve of this node's name on another address with the same port, and a stranger
+    # on this node's address: the stranger is the one in the way.
+    ours_elsewhere = listener("127.0.0.2", port, "dspark", "serve", "--node", "h")
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            got = by_name(P.check_ports(c, c.head, Path("/proc"), None))["port.agent"]
+            assert got.status == "fail" and f"pid {os.getpid()}" in got.seen
+    finally:
+        stop(ours_elsewhere)
+    for node, want in (("h", "ok"), ("w", "fail")):
+        p = listener("127.0.0.1", port, "dspark", "serve", "--node", node)
+        try:
+            got = by_name(P.check_ports(c, c.head, Path("/proc"), None))["port.agent"]
+        finally:
+            stop(p)
+        assert got.status == want, got
+        if want == "ok":
+            assert f"dspark serve (pid {p.pid})" in got.seen
 
 
 def test_address_not_on_this_host(tmp_path):

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import ipaddress
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -119,8 +121,29 @@ def local_identity(cluster: Cluster) -> dict:
 
 
 # ------------------------------------------------------------------------------ ports
-def _listener_owner(port: int, proc: Path) -> tuple[int, str] | None:
-    """(pid, command line) of the process listening on TCP `port`, where /proc lets us see it."""
+def _proc_net_address(hexaddr: str) -> str:
+    """An address of /proc/net/tcp{,6}: 32-bit words in the host's byte order, in hex."""
+    words = [int(hexaddr[i:i + 8], 16) for i in range(0, len(hexaddr), 8)]
+    raw = b"".join(struct.pack("=I", w) for w in words)
+    addr = ipaddress.ip_address(raw)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+        addr = addr.ipv4_mapped
+    return str(addr)
+
+
+def _conflicts(listener: str, host: str) -> bool:
+    wild = ("0.0.0.0", "::")
+    if listener in wild or host in wild:
+        return True
+    try:
+        return ipaddress.ip_address(listener) == ipaddress.ip_address(host)
+    except ValueError:
+        return False
+
+
+def _listener_owner(host: str, port: int, proc: Path) -> tuple[int, str] | None:
+    """(pid, command line) of the process listening on TCP `port` where a bind of `host`
+    collides, where /proc lets us see it."""
     inodes = set()
     for table in ("tcp", "tcp6"):
         try:
@@ -129,8 +152,14 @@ def _listener_owner(port: int, proc: Path) -> tuple[int, str] | None:
             continue
         for line in lines:
             f = line.split()
-            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                inodes.add(f[9])
+            if len(f) <= 9 or f[3] != "0A":  # 0A: LISTEN
+                continue
+            addr, _, hexport = f[1].rpartition(":")
+            try:
+                if int(hexport, 16) == port and _conflicts(_proc_net_address(addr), host):
+                    inodes.add(f[9])
+            except ValueError:
+                continue
     if not inodes:
         return None
     for pid_dir in proc.glob("[0-9]*"):
@@ -151,12 +180,15 @@ def _cmdline(pid_dir: Path) -> str:
         return "?"
 
 
-def _dspark_serve_ancestor(pid: int, proc: Path) -> int | None:
-    """The `dspark serve` process at or above `pid` (vLLM runs as its child), or None."""
+def _dspark_serve_ancestor(pid: int, proc: Path, node: str) -> int | None:
+    """The `dspark serve` of `node` at or above `pid` (vLLM runs as its child), or None. A
+    serve whose command line names another node (--node/-n) is not this node's."""
     for _ in range(32):
         words = _cmdline(proc / str(pid)).split()
         if "serve" in words and any(w.endswith("dspark") or w == "dspark" for w in words):
-            return pid
+            named = [words[i + 1] for i, w in enumerate(words[:-1]) if w in ("--node", "-n")]
+            named += [w.split("=", 1)[1] for w in words if w.startswith("--node=")]
+            return pid if not named or node in named else None
         try:
             stat = (proc / str(pid) / "stat").read_text()
             pid = int(stat.rsplit(")", 1)[1].split()[1])
@@ -196,8 +228,8 @@ def check_ports(cluster: Cluster, node: NodeConfig, proc: Path, own_state: dict 
         if err.errno != errno.EADDRINUSE:
             out.append(fail(name, f"cannot bind {host}:{port}: {err.strerror}", "see the error"))
             continue
-        owner = _listener_owner(port, proc)
-        serve_pid = _dspark_serve_ancestor(owner[0], proc) if owner else None
+        owner = _listener_owner(host, port, proc)
+        serve_pid = _dspark_serve_ancestor(owner[0], proc, node.name) if owner else None
         if serve_pid is not None or (what == "agent_port" and own_state is not None):
             who = f"dspark serve (pid {serve_pid})" if serve_pid else f"this node's agent ({own_state.get('state')})"
             out.append(ok(name, f"{host}:{port} is held by this node's own {who}"))
