@@ -296,3 +296,13 @@ def test_local_up_stops_before_spawning_on_a_failed_check(tmp_path):
 def test_prepare_of_local_still_validates(tmp_path):
     path = prepare(tmp_path / "l", LocalPorts(api=free_port(), master=free_port(), agent=free_port()))
     assert C.load(path).head.name == "local-head"
+
+
+def test_node_units_run_the_check_before_vllm():
+    from dspark import units as U
+
+    units = U.render_units("/usr/bin/dspark")
+    for name, role in ((U.WORKER, "worker"), (U.HEAD, "head")):
+        [start] = [line for line in units[name].splitlines() if line.startswith("ExecStart=")]
+        assert start == f"ExecStart=/usr/bin/dspark serve --check --state-dir %S/dspark/{role}"
+        assert "RestartPreventExitStatus=2" in units[name]  # a refused start is not retried
