@@ -49,12 +49,17 @@ class Targets:
     api_url: str
     nodes: tuple[NodeTarget, ...]
     local_node: str | None = None  # the node this host is: its GPU/NVMe are read here
+    served_name: str | None = None  # the model name clients send (shown on the page)
+    liveness_interval_s: float | None = None  # the head's idle 1-token probe period
+
 
     @classmethod
     def from_cluster(cls, cluster: Cluster, local_node: str | None = None) -> "Targets":
         nodes = tuple(NodeTarget(n.name, n.rank, "head" if n.is_head else "worker", n.agent_url)
                       for n in sorted(cluster.nodes, key=lambda n: n.rank))
-        return cls(api_url=cluster.head.api_url.rstrip("/"), nodes=nodes, local_node=local_node)
+        return cls(api_url=cluster.head.api_url.rstrip("/"), nodes=nodes, local_node=local_node,
+                   served_name=cluster.model.served_name,
+                   liveness_interval_s=cluster.supervisor.liveness_interval_s)
 
 
 @dataclass
@@ -255,10 +260,13 @@ class Collector:
                             **{key: {k: _r(v, 6) for k, v in rates.latency(old, scrape, name).items()}
                                for key, name in (("ttft_s", F.TTFT), ("itl_s", F.ITL), ("e2e_s", F.E2E))}},
                 "spec_decode": self._spec(scrape, iv),
+                # Nothing running or waiting: what moves now is the head's 1-token liveness
+                # probe (dspark.liveness sends one only while the engine is idle).
+                "idle": not (g.get(F.RUNNING) or g.get(F.WAITING)),
             })
         else:
             vllm.update({"throughput": None, "tokens": None, "requests": None, "kv_cache_usage": None,
-                         "latency": None, "spec_decode": None})
+                         "latency": None, "spec_decode": None, "idle": None})
         if self.rounds:
             g = scrape.gauges if scrape is not None else {}
             self.history.append((round(time.time(), 3), _r(iv.decode_tps if iv else None),
@@ -271,6 +279,8 @@ class Collector:
             "interval_s": self.interval_s,
             "round": self.rounds,
             "serving": scrape is not None and bool(nodes) and all(n["state"] == A.SERVING for n in nodes),
+            "model": self.targets.served_name,
+            "liveness_interval_s": self.targets.liveness_interval_s,
             "vllm": vllm,
             "nodes": nodes,
             "history": {"capacity": self.history.maxlen, **{k: list(v) for k, v in zip(

@@ -51,15 +51,24 @@ function renderFields(snap) {
     const path = el.dataset.field;
     if (!path.startsWith("vllm.")) continue;
     const v = lookup(snap, path);
-    if (path === "vllm.version") { setText(el, v || "unknown"); continue; }
-    if (!vllm.available) {
-      if (path === "vllm.latency.window_s") setText(el, "—", "none");  // a label, not a figure
-      else setText(el, "unavailable", "unavailable");
-      continue;
-    }
+    if (path === "vllm.version") { setText(el, vllm.available && v ? v : "—", vllm.available ? undefined : "none"); continue; }
+    // vLLM down: one banner says why; the cells stay quiet ("—") instead of a wall of red.
+    if (!vllm.available) { setText(el, "—", "none"); continue; }
     if (path.startsWith("vllm.spec_decode.") && vllm.spec_decode === null) { setText(el, "off", "none"); continue; }
     if (v === null || v === undefined) { setText(el, "—", "none"); continue; }
     setText(el, formatField(path, v));
+  }
+  const win = document.getElementById("latency-window");
+  if (!vllm.available) win.firstChild.textContent = "no data while vLLM is down ";
+  else win.firstChild.textContent = "last ";
+  win.querySelector("[data-field]").hidden = !vllm.available;
+  win.lastChild.textContent = vllm.available ? " s" : "";
+  const note = document.getElementById("idle-note");
+  note.hidden = !(vllm.available && vllm.idle);
+  if (!note.hidden) {
+    const every = snap.liveness_interval_s ? ` every ${fmt.num(snap.liveness_interval_s, 0)} s` : "";
+    setText(note, `Idle: nothing running or waiting. What still moves is the head's liveness probe, ` +
+                  `a 1-token completion${every}, sent only while the engine is idle.`);
   }
   const kv = vllm.available ? vllm.kv_cache_usage : null;
   document.getElementById("kv-bar").style.width = kv === null ? "0" : Math.min(100, kv * 100).toFixed(1) + "%";
@@ -108,7 +117,9 @@ function renderNodes(snap) {
     card.classList.toggle("bad", ["failed", "unreachable", "stopped", "stopping"].includes(n.state));
     setText(card.querySelector('[data-field="detail"]'), n.detail || "");
     const gpu = (n.hardware.gpus || [])[0] || {};
-    const values = {
+    const values = !n.reachable ? Object.fromEntries(  // the last answer's figures are stale
+      ["restarts", "vllm_pid", "uptime", "liveness", "gpu_temp", "gpu_power", "gpu_util", "nvme_temp"]
+        .map((k) => [k, "—"])) : {
       restarts: na(n.restarts, fmt.int),
       vllm_pid: na(n.vllm_pid, String),
       uptime: na(n.uptime_s, fmt.dur),
@@ -120,7 +131,7 @@ function renderNodes(snap) {
       nvme_temp: na(n.hardware.nvme_temperature_c, (x) => x.toFixed(0) + " °C"),
     };
     for (const [k, text] of Object.entries(values)) {
-      setText(card.querySelector(`[data-field="${k}"]`), text, text === "n/a" ? "none" : undefined);
+      setText(card.querySelector(`[data-field="${k}"]`), text, text === "n/a" || text === "—" ? "none" : undefined);
     }
   }
 }
@@ -144,10 +155,12 @@ function renderChart(snap) {
   while (svg.firstChild) svg.firstChild.remove();
   const spanS = h.capacity * snap.interval_s;
   const now = h.t.length ? h.t[h.t.length - 1] : snap.generated_at;
-  const all = h.decode_tps.concat(h.prefill_tps).filter((v) => v !== null);
-  const max = Math.max(1, ...all) * 1.1;
+  // decode and prefill each on their own scale (left and right): a prefill burst of thousands
+  // of tok/s must not flatten the decode line.
+  const top = (key) => niceMax(Math.max(0, ...h[key].filter((v) => v !== null)));
+  const tops = {decode_tps: top("decode_tps"), prefill_tps: top("prefill_tps")};
   const x = (t) => W - ((now - t) / spanS) * W;
-  const y = (v) => H - P - (v / max) * (H - 2 * P);
+  const yOf = (max) => (v) => H - P - (v / max) * (H - 2 * P);
   for (let i = 1; i < 4; i++) {
     const l = document.createElementNS(NS, "line");
     l.setAttribute("x1", 0); l.setAttribute("x2", W);
@@ -156,7 +169,7 @@ function renderChart(snap) {
     svg.append(l);
   }
   for (const [key, cls] of [["prefill_tps", "prefill"], ["decode_tps", "decode"]]) {
-    for (const seg of segments(h.t, h[key], x, y)) {
+    for (const seg of segments(h.t, h[key], x, yOf(tops[key]))) {
       const pl = document.createElementNS(NS, "polyline");
       pl.setAttribute("points", seg.length === 1 ? `${seg[0]} ${seg[0]}` : seg.join(" "));
       pl.setAttribute("class", "line " + cls);
@@ -164,10 +177,27 @@ function renderChart(snap) {
     }
   }
   document.getElementById("chart-span").textContent = "−" + fmt.dur(spanS);
-  document.getElementById("chart-max").textContent = "max " + fmt.num(max / 1.1, 1) + " tok/s";
+  for (const [key, id] of [["decode_tps", "y-decode"], ["prefill_tps", "y-prefill"]]) {
+    const labels = document.getElementById(id).children;
+    const label = (v) => (v >= 10 ? fmt.int(v) : fmt.num(v, Number.isInteger(v) ? 0 : 1));
+    labels[0].textContent = label(tops[key]);
+    labels[1].textContent = label(tops[key] / 2);
+  }
+  const peak = (key) => Math.max(0, ...h[key].filter((v) => v !== null));
+  document.getElementById("chart-max").textContent =
+    `peak decode ${fmt.num(peak("decode_tps"), 1)} · prefill ${fmt.num(peak("prefill_tps"), 1)} tok/s`;
+}
+
+function niceMax(v) {
+  // the axis top: 1, 2 or 5 times a power of ten, at least the largest value (and at least 1)
+  if (!(v > 1)) return 1;
+  const p = Math.pow(10, Math.floor(Math.log10(v)));
+  for (const m of [1, 2, 5, 10]) if (m * p >= v) return m * p;
+  return 10 * p;
 }
 
 function render(snap) {
+  document.getElementById("model").textContent = snap.model || "—";
   const pair = document.getElementById("pair");
   pair.textContent = snap.serving ? "SERVING" : "NOT SERVING";
   pair.className = "badge " + (snap.serving ? "ok" : "bad");
