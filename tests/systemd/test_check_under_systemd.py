@@ -1,0 +1,47 @@
+"""dspark check under a real systemd: the worker unit runs `dspark serve --check`; a failing
+check ends the start with exit 2, systemd does not restart it (RestartPreventExitStatus=2),
+and `systemctl status` shows why. No vLLM is started: the check refuses before it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nspawn_container import ROOT, Container, missing_requirements
+
+from dspark.local import WORKER_NAME
+
+pytestmark = [pytest.mark.systemd,
+              pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]
+
+CLUSTER_DIR = "/srv/dspark-check"  # inside the container, outside /tmp (PrivateTmp hides that)
+PYTHON = str(ROOT / ".venv" / "bin" / "python")
+DSPARK = str(ROOT / ".venv" / "bin" / "dspark")
+UNIT = "dspark-worker.service"
+
+
+def test_failed_check_refuses_the_start_without_restarts():
+    with Container(name="dspark-check") as box:
+        box.run(PYTHON, "-c", "from pathlib import Path; from dspark.local import prepare, LocalPorts; "
+                f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api=28101, master=28102, agent=28103))",
+                timeout=60, check=True)
+        box.run("rm", f"{CLUSTER_DIR}/model/config.json", check=True)  # the model directory is broken
+        box.run(DSPARK, "systemd", "install", "--node", WORKER_NAME, "--config", f"{CLUSTER_DIR}/cluster.toml",
+                timeout=60, check=True)
+        probe = box.run("setpriv", "--reuid=dspark", "--regid=dspark", "--clear-groups", "--inh-caps=-all",
+                        "sh", "-c", 'exec "$0" -c pass', PYTHON, timeout=60)
+        if probe.returncode != 0:  # the checkout's Python is out of the dspark user's reach here
+            d = box.path(f"/etc/systemd/system/{UNIT}.d")
+            (d / "90-test-user.conf").write_text("[Service]\nUser=root\nGroup=root\n")
+            box.systemctl("daemon-reload", check=True)
+        started = box.systemctl("start", UNIT, timeout=120)
+        assert started.returncode != 0
+        time.sleep(6)  # three times RestartSec=: a restart would have happened by now
+        props = box.show(UNIT, "ActiveState", "Result", "ExecMainStatus", "NRestarts")
+        assert props == {"ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "2", "NRestarts": "0"}
+        status = box.systemctl("status", "--no-pager", "--full", "--lines=5", UNIT, timeout=20).stdout
+        assert "refusing to start: dspark check failed: model.dir" in status, status
+        lines = [m for _, m in box.journal(UNIT)]
+        assert any("check warn  gpu" in m for m in lines)  # warnings are logged too
+        assert not any("starting vLLM" in m for m in lines)
