@@ -109,7 +109,7 @@ def test_never_ready_within_ready_timeout_stops_vllm_with_exit_3():
     p.start(0.0)
     assert exit_of(p.step(9.9, Events(stage="warming"))) is None
     out = p.step(10.1, Events(stage="warming"))
-    assert kinds(out)[0] == "stop" and exit_of(out).code == EXIT_NEVER_READY
+    assert kinds(out) == ["state", "stop", "exit"] and exit_of(out).code == EXIT_NEVER_READY
     assert "ready_timeout_s" in state_of(out)[1]
 
 
@@ -146,7 +146,8 @@ def test_liveness_rounds_every_interval_and_the_watchdog_only_while_fed():
 def test_a_dead_verdict_stops_vllm_with_exit_4():
     p = serving_head()
     out = p.step(5.0, Events(round=Round(Verdict(alive=False, dead=True, reason="engine stalled"), None, 5.0)))
-    assert kinds(out)[:3] == ["record_round", "say", "stop"]
+    # FAILED is shown before the stop, which can take stop_grace_s: clients see it at once.
+    assert kinds(out) == ["record_round", "say", "state", "stop", "exit"]
     assert exit_of(out).code == EXIT_DIED and state_of(out) == (S.FAILED, "liveness lost: engine stalled")
 
 
@@ -265,3 +266,14 @@ def test_a_signal_before_anything_started_ends_quietly():
     p = policy()
     out = p.step(0.0, Events(signal=signal.SIGINT))
     assert exit_of(out).code == EXIT_OK and "stop" not in kinds(out) and exit_of(out).history == "keep"
+
+
+def test_a_round_still_running_delays_the_next_and_it_starts_as_soon_as_that_one_ends():
+    p = serving_head()
+    assert "liveness_round" in kinds(p.step(6.0, Events()))
+    # The round blocks on a slow /metrics: no second one meanwhile, however long it takes ...
+    assert not any("liveness_round" in kinds(p.step(t, Events(running=frozenset({"round"}))))
+                   for t in (8.0, 11.0, 14.0))
+    # ... and the next starts the moment it has ended, not an interval later.
+    done = Round(Verdict(alive=True), None, 14.5)
+    assert "liveness_round" in kinds(p.step(14.5, Events(round=done)))

@@ -80,5 +80,7 @@ def test_sigint_in_the_first_instants_gives_no_traceback(tmp_path, delay):
     tb = out[out.index("Traceback"):] if "Traceback" in out else ""
     assert "dspark" not in tb and "click" not in tb, out
     assert "Aborted" not in out, out
+    if tb:
+        return  # Python's own start was interrupted (it exits 1 then): before any dspark code
     # Stopped on request: exit 0 (handled) or death by SIGINT (before Python could handle it).
     assert proc.returncode in (EXIT_OK, -signal.SIGINT), (proc.returncode, out)

@@ -58,6 +58,7 @@ class Events:
     ready_probe: ReadyProbe | None = None  # a finished pre-ready probe (the head)
     round: Round | None = None            # a finished liveness round (the head, once ready)
     peers: dict[str, AgentAnswer] | None = None  # a finished poll of the peers' (workers') agents
+    running: frozenset[str] = frozenset()  # background probes still running: "ready_probe", "round", "peers"
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,12 @@ class NodePolicy:
 
     def _end(self, out: list[Action], code: int, state: str, detail: str, *, stop: str = "",
              history: str | None = None) -> list[Action]:
-        """Stop vLLM (when `stop` says why), show the final state, exit with `code`."""
+        """Show the final state, stop vLLM (when `stop` says why), exit with `code`. A failure is
+        shown before the stop (which can take stop_grace_s): clients see it at once. A stop on
+        request shows STOPPING during the stop and STOPPED once vLLM is gone."""
         self.phase = "done"
+        if state != S.STOPPED:
+            self._show(out, state, detail)
         if stop:
             out.append(Action("stop", state=self.state, detail=stop))
         self._show(out, state, detail)
@@ -236,6 +241,8 @@ class NodePolicy:
                                  f"start it first (systemctl start dspark-worker on that host)")
             # Polled briskly: every moment here is added to the pair's start.
             out.append(Action("poll_peers"))
+        elif "peers" not in ev.running:
+            out.append(Action("poll_peers"))  # the last poll ended without an answer (never here)
         return out
 
     def _running(self, out: list[Action], now: float, ev: Events) -> list[Action]:
@@ -269,7 +276,7 @@ class NodePolicy:
                     else:
                         self.failed_probe = rp.live
                         out.append(Action("record_probe"))
-                if not self.ready and now - self.last_health >= READY_POLL_S:
+                if not self.ready and "ready_probe" not in ev.running and now - self.last_health >= READY_POLL_S:
                     self.last_health = now
                     out.append(Action("ready_probe"))
             elif stage != "starting":
@@ -296,7 +303,7 @@ class NodePolicy:
                     else:
                         return self._end(out, EXIT_DIED, S.FAILED, f"liveness lost: {v.reason}",
                                          stop="liveness lost")
-            if now - self.last_live >= lim.liveness_interval_s:
+            if "round" not in ev.running and now - self.last_live >= lim.liveness_interval_s:
                 self.last_live = now
                 out.append(Action("liveness_round"))
         else:
@@ -313,7 +320,7 @@ class NodePolicy:
             if not self.is_head and not self.paired and now - self.t_start > lim.rendezvous_timeout_s:
                 return self._end(out, EXIT_NEVER_READY, S.FAILED,
                                  f"no head joined within {lim.rendezvous_timeout_s:g} s", stop="rendezvous timed out")
-            if now - self.last_peers >= PEERS_POLL_S:
+            if "peers" not in ev.running and now - self.last_peers >= PEERS_POLL_S:
                 self.last_peers = now
                 out.append(Action("poll_peers"))
 

@@ -197,10 +197,14 @@ class Supervisor:
 
     def _events(self, sig: int | None) -> Events:
         ev = Events(signal=sig, vllm_exit=self.vllm.poll(), stage=self.vllm.stage)
+        running = set()
         for bg, attr in ((self._ready_probe, "ready_probe"), (self._round, "round"), (self._peers, "peers")):
             finished, result = bg.take()
             if finished:
                 setattr(ev, attr, result)
+            elif bg.busy:
+                running.add(attr)
+        ev.running = frozenset(running)
         return ev
 
     def _apply(self, actions: list[Action]) -> int | None:
