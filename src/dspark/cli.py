@@ -27,6 +27,15 @@ def load_cluster(config_path: Path | None):
         fail(e.render())
 
 
+def _config_found() -> bool:
+    """Whether a cluster file is there to be read without --config ($DSPARK_CONFIG or /etc)."""
+    import os
+
+    from .config import DEFAULT_CONFIG_PATH
+
+    return bool(os.environ.get("DSPARK_CONFIG")) or DEFAULT_CONFIG_PATH.exists()
+
+
 def pick_node(cluster, name: str | None):
     from .config import ConfigError
 
@@ -126,16 +135,23 @@ def config_check(config_path: Path | None) -> None:
 @config_option
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Model directory (default: model.path from the cluster file).")
+@click.option("--published", is_flag=True,
+              help="Plan for the published DeepSeek V4 Flash checkpoint from dspark's shipped description of "
+                   "its safetensors headers (no model needed); without a cluster file, at the default settings.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan_cmd(config_path: Path | None, model_dir: Path | None, as_json: bool) -> None:
+def plan_cmd(config_path: Path | None, model_dir: Path | None, published: bool, as_json: bool) -> None:
     """Memory fit plan: weights per rank, KV cache per token, KV tokens, the longest context."""
     import json
 
     from .plan import PlanError, plan_for_cluster
 
-    cluster = load_cluster(config_path)
     try:
-        plan = plan_for_cluster(cluster, model_dir)
+        if published:
+            from .plan.published import plan_published
+
+            plan = plan_published(load_cluster(config_path) if config_path or _config_found() else None)
+        else:
+            plan = plan_for_cluster(load_cluster(config_path), model_dir)
     except PlanError as e:
         fail(f"plan: {e}")
     click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else plan.render_text())

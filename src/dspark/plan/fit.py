@@ -193,7 +193,7 @@ def plan_from_facts(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             overhead = 0
             notes.append(
                 "activation / CUDA-graph reserve not estimated for this model: "
-                "set runtime_overhead_bytes, or kv_cache_memory_bytes"
+                "size the KV cache yourself with serving.kv_cache_memory_bytes in the cluster file"
             )
 
     layout = kv_layout(facts, inputs)
