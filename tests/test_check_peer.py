@@ -215,8 +215,10 @@ def test_unreachable_peers(tmp_path):
     c = cluster(tmp_path, free_port(), free_port("127.0.0.2"))
     [c_head] = P.check_peers(c, c.head, dict(MINE))  # the head expects the worker up
     assert c_head.status == "warn" and "does not answer" in c_head.seen
-    [c_worker] = P.check_peers(c, c.workers[0], dict(MINE))  # the worker starts first
+    [c_worker] = P.check_peers(c, c.workers[0], dict(MINE), starting=True)  # the worker starts first
     assert c_worker.status == "ok" and "starts after the workers" in c_worker.seen
+    [c_worker] = P.check_peers(c, c.workers[0], dict(MINE))  # on demand: the head should answer
+    assert c_worker.status == "warn" and "does not answer" in c_worker.seen
 
 
 def test_peer_without_identity_warns(tmp_path):

@@ -221,9 +221,11 @@ def wait_state(pair: Pair, node: C.NodeConfig, states: tuple[str, ...], timeout_
 
 def preflight(cluster: C.Cluster, node: C.NodeConfig, progress: Progress, host=None) -> None:
     """`dspark check` for `node` before it starts: warnings and failures shown, a failure stops."""
-    from .preflight import run
+    import dataclasses
 
-    report = run(cluster, node, host)
+    from .preflight import Host, run
+
+    report = run(cluster, node, dataclasses.replace(host or Host(), starting=True))
     for c in report.checks:
         if c.status != "ok":
             progress(f"  {node.name:<13} check {c.status}: {c.name}: {c.seen}")

@@ -36,6 +36,8 @@ class Host:
     addresses: Callable[[], dict[str, list[str]]] | None = None
     nvml: Callable[[], dict] | None = None
     peers: bool = True       # compare with the peers' agents
+    starting: bool = False   # this node is about to start (serve --check, local up): the head is
+                             # not expected up yet when a worker starts
     identity: dict | None = None  # this node's identity, when already known
 
     @property
@@ -130,7 +132,7 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
                                 f"{(identity.get('vllm_sources_sha256') or '?')[:12]} "
                                 f"({identity.get('vllm_sources_files', 0)} files)"))
     if host.peers:
-        add(_guard("peer", lambda: P.check_peers(cluster, node, identity)))
+        add(_guard("peer", lambda: P.check_peers(cluster, node, identity, host.starting)))
     return report
 
 
@@ -146,7 +148,7 @@ def gate(cluster: Cluster, node: NodeConfig, say: Callable[[str], None], host: H
     """`dspark serve --check` (what the units run) and `dspark local up`: every line to `say`
     (the journal under systemd), and the refusal message when a check failed, else None.
     Returns this node's identity for the agent's /state as well."""
-    report = run(cluster, node, host)
+    report = run(cluster, node, host or Host(starting=True))
     for line in report.lines():
         say(f"dspark[{node.name}]: check {line}")
     say(f"dspark[{node.name}]: check {report.summary()}")

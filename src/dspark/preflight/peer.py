@@ -249,7 +249,9 @@ def own_agent_state(node: NodeConfig) -> dict | None:
     return s if s is not None and s.get("node") == node.name else None
 
 
-def check_peers(cluster: Cluster, node: NodeConfig, mine: dict) -> list[Check]:
+def check_peers(cluster: Cluster, node: NodeConfig, mine: dict, starting: bool = False) -> list[Check]:
+    """Compare with every other node whose agent answers. `starting`: this node is about to
+    start, when a worker does not expect its head yet (workers start first)."""
     from ..agent_client import fetch_state
 
     out: list[Check] = []
@@ -262,7 +264,7 @@ def check_peers(cluster: Cluster, node: NodeConfig, mine: dict) -> list[Check]:
         name = f"peer.{peer.name}"
         s = answer.state
         if s is None:
-            if peer.is_head and not node.is_head:
+            if starting and peer.is_head and not node.is_head:
                 out.append(ok(name, f"the head's agent ({peer.agent_url}) is not up: it starts after the workers and "
                               "compares itself with them then"))
             else:
