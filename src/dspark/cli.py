@@ -307,7 +307,7 @@ def overlay_cmd(args: tuple[str, ...]) -> None:
     """
     from .overlay import main as overlay_main  # stdlib-only: the Nix build runs it without click
 
-    sys.exit(overlay_main(list(args)))
+    sys.exit(overlay_main(list(args), prog="dspark overlay"))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -134,6 +134,11 @@ def _run_patch(patch: Path, directory: Path, *, reverse: bool = False) -> tuple[
         str(patch),
     ]
     args.insert(2, "--reverse" if reverse else "--forward")
+    if reverse:
+        # --batch would take a reverse patch that does not reverse as "unreversed", drop -R and
+        # apply it forward with success: every stock tree then read as patched. --force
+        # assumes the direction given is the right one.
+        args[args.index("--batch")] = "--force"
     result = subprocess.run(args, capture_output=True, text=True, check=False)
     return result.returncode == 0, (result.stdout + result.stderr).strip()
 
@@ -234,10 +239,15 @@ def _install(site_packages: Path, staging: Path, paths: Sequence[str], backup: P
         raise
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+EXIT_NOT_APPLIED = 3  # `check`: the tree does not carry the series (1 is an error)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m dspark.overlay") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dspark.overlay",
+        prog=prog,
         description="Apply the dspark Spark overlay to an installed vLLM tree.",
+        epilog=f"exit status: 0 done (check: the series is applied), {EXIT_NOT_APPLIED} check: not applied, "
+               "1 an error (the message says which)",
     )
     parser.add_argument("command", choices=("apply", "check"))
     parser.add_argument("site_packages", type=Path, help="directory holding vllm/")
@@ -249,9 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "check":
             version = check_version(args.site_packages)
-            state = "applied" if is_applied(args.site_packages, args.overlay_dir) else "not applied"
-            print(f"vLLM {version}: overlay {state}")
-            return 0
+            applied = is_applied(args.site_packages, args.overlay_dir)
+            print(f"vLLM {version}: overlay {'applied' if applied else 'not applied'}")
+            return 0 if applied else EXIT_NOT_APPLIED
         applied = apply_series(args.site_packages, args.overlay_dir, dry_run=args.dry_run)
     except OverlayError as exc:
         print(f"dspark overlay: {exc}", file=sys.stderr)
