@@ -16,7 +16,7 @@ the window's duration, read at its start and end in both conditions alike.
   .venv/bin/python benchmarks/dashboard_overhead.py                 # starts a local pair itself
   .venv/bin/python benchmarks/dashboard_overhead.py --cluster /etc/dspark/cluster.toml
 
-Target (issue 7): the dashboard costs under 2% of decode throughput.
+Target: the dashboard costs under 2% of decode throughput.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Control-plane targets, measured side by side in one run (issue 2):
+"""Control-plane targets, measured side by side in one run:
 
 1. the supervised pair (`dspark serve` on both nodes) is ready within 1.05x the time the same
    two vLLM commands take when started by hand (worker first, head once the worker is in
