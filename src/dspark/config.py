@@ -311,7 +311,13 @@ def _check_type(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
-def _build(cls: type, table: Any, where: str, problems: list[str]) -> Any:
+def _node_examples(i: int) -> dict[str, Any]:
+    """The hints' examples for the i-th node: its own name and address, not the first node's."""
+    return {"name": f"spark-{chr(ord('a') + i % 26)}", "rank": i, "address": f"192.168.100.{10 + i % 240}",
+            "agent_host": f"192.168.100.{10 + i % 240}", "role": "head" if i == 0 else "worker"}
+
+
+def _build(cls: type, table: Any, where: str, problems: list[str], examples: dict[str, Any] | None = None) -> Any:
     if not isinstance(table, dict):
         problems.append(f"{where}: expected a table ([{where}]), got {_toml_value_safe(table)}")
         return None
@@ -325,7 +331,7 @@ def _build(cls: type, table: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{where}.{key}: unknown key{hint}")
             continue
         f = fields[key]
-        example = f.metadata.get("example")
+        example = (examples or {}).get(key, f.metadata.get("example"))
         if not _check_type(value, hints[key]):
             got = _toml_value_safe(value)
             problems.append(f"{where}.{key}: expected {_type_name(hints[key])}, got {got}; "
@@ -348,7 +354,7 @@ def _build(cls: type, table: Any, where: str, problems: list[str]) -> Any:
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             if name not in table:
                 problems.append(f"{where}.{name}: missing; {f.metadata['help']} "
-                                f"Write e.g. {name} = {_toml_value(f.metadata.get('example'))}")
+                                f"Write e.g. {name} = {_toml_value((examples or {}).get(name, f.metadata.get('example')))}")
     try:
         return cls(**kwargs)
     except TypeError:
@@ -400,7 +406,7 @@ def from_dict(data: dict, source: str | None = None) -> Cluster:
         problems.append("nodes: missing; add one [[nodes]] table per node (name, rank, address)")
     else:
         for i, raw in enumerate(raw_nodes):
-            node = _build(NodeConfig, raw, f"nodes[{i}]", problems)
+            node = _build(NodeConfig, raw, f"nodes[{i}]", problems, _node_examples(i))
             if node is not None:
                 nodes.append(node)
     if problems:
