@@ -112,6 +112,7 @@ class Supervisor:
         self.tick_s = tick_s
         self.signals = signals if signals is not None else SignalQueue()
         self.history = FailureHistory(state_dir) if backoff and state_dir is not None else None
+        self.state_dir = state_dir
         if launch is None:
             gid = None
             if node.gid_index == "auto" and node.rdma_device:
@@ -188,6 +189,8 @@ class Supervisor:
             if self.vllm.running():
                 self._stop_vllm("supervisor exiting")
             if code == EXIT_OK:
+                # Stopped on purpose: the next start is a fresh node, whose restarts count from 0.
+                _clear_starts(self.state_dir)
                 # A clean stop passes through stopping and stopped in well under a second: keep
                 # saying "stopped" for longer than one poll of the dashboard or a peer (1 s), or
                 # they see only a refused connection, which reads as a crash.
@@ -286,8 +289,18 @@ class Supervisor:
             self.state.vllm_pid = None
 
 
+def _clear_starts(state_dir: Path | None) -> None:
+    """After a clean stop: the restart count is of this running node, not of every start ever."""
+    if state_dir is not None:
+        try:
+            (Path(state_dir) / "starts").unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 def _count_start(state_dir: Path | None) -> int:
-    """Restarts of this node's service: starts recorded in the state directory, minus one."""
+    """Restarts of this node's service since it was last started cleanly: the starts recorded in
+    the state directory since then (a clean stop clears them), minus one."""
     if state_dir is None:
         return 0
     path = Path(state_dir) / "starts"
