@@ -46,9 +46,16 @@ DECODE_FIGURES = (
 )
 
 
+# The options that set each kind's workload, for the hint of a refusal.
+WORKLOAD_OPTIONS = {"prefill": "--seed, --lengths, --trials",
+                    "decode": "--seed, --concurrency, --input-len, --output-len, --rounds"}
+
+
 def check_comparable(a: Report, b: Report) -> None:
     if a.kind != b.kind:
         raise CompareRefused(f"cannot compare a {a.kind} report with a {b.kind} report")
+    diff = [k for k in WORKLOAD_PARAMS if a.params.get(k) != b.params.get(k)]
+    named = ", ".join(f"{k} {a.params.get(k)!r} vs {b.params.get(k)!r}" for k in diff)
     if a.prompt_set_sha256 != b.prompt_set_sha256:
         detail = ""
         for i, (x, y) in enumerate(zip(a.planned_prompts, b.planned_prompts)):
@@ -58,13 +65,12 @@ def check_comparable(a: Report, b: Report) -> None:
         else:
             if len(a.planned_prompts) != len(b.planned_prompts):
                 detail = f"; {len(a.planned_prompts)} vs {len(b.planned_prompts)} planned prompts"
+        because = f"; the parameters that differ: {named}" if diff else ""
         raise CompareRefused("prompt fingerprints differ: the reports did not send identical prompts "
-                             f"({a.prompt_set_sha256[:12]}... vs {b.prompt_set_sha256[:12]}...){detail}; "
-                             "rerun one with the other's parameters (--seed, lengths, trials)")
-    diff = [k for k in WORKLOAD_PARAMS if a.params.get(k) != b.params.get(k)]
+                             f"({a.prompt_set_sha256[:12]}... vs {b.prompt_set_sha256[:12]}...){because}{detail}; "
+                             f"rerun one with the other's parameters ({WORKLOAD_OPTIONS.get(a.kind, '--seed')})")
     if diff:
-        raise CompareRefused("workload parameters differ: " +
-                             ", ".join(f"{k} {a.params.get(k)!r} vs {b.params.get(k)!r}" for k in diff))
+        raise CompareRefused("workload parameters differ: " + named)
 
 
 def gain(before: float | None, after: float | None, higher_is_better: bool) -> float | None:
