@@ -150,11 +150,15 @@ class Pair:
     cluster_file: Path
     workdir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    seen: dict[str, str] = field(default_factory=dict)  # the last state shown of each node
 
     def spawn(self, node: str) -> subprocess.Popen:
         logs = self.workdir / "logs"
         logs.mkdir(exist_ok=True)
-        out = open(logs / f"{node}.log", "ab")
+        log = logs / f"{node}.log"
+        if node not in self.procs and log.exists():
+            log.replace(logs / f"{node}.log.1")  # each run starts a fresh log; the last run's is kept
+        out = open(log, "ab")
         cmd = [sys.executable, "-m", "dspark", "serve", "--config", str(self.cluster_file), "--node", node,
                "--state-dir", str(self.workdir / "state" / node)]
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
@@ -193,30 +197,51 @@ Progress = Callable[[str], None]
 
 
 def wait_state(pair: Pair, node: C.NodeConfig, states: tuple[str, ...], timeout_s: float,
-               progress: Progress, should_stop: Callable[[], bool]) -> None:
-    t0 = time.monotonic()
-    last = None
+               progress: Progress, should_stop: Callable[[], bool], t0: float | None = None,
+               watch: tuple[C.NodeConfig, ...] = ()) -> None:
+    """Wait until `node` is in one of `states`. Every state change of it and of the `watch`
+    nodes is shown once, in the order seen, with the seconds since `t0` (local up's start)."""
+    since = time.monotonic()
+    t0 = since if t0 is None else t0
     while True:
-        p = pair.procs[node.name]
-        rc = p.poll()
-        if rc is not None:
-            raise LocalError(f"{node.name}'s supervisor exited with code {rc}; see "
-                             f"{pair.workdir / 'logs' / (node.name + '.log')}")
-        s = agent_state(node.agent_url, timeout=1.0)
-        cur = (s or {}).get("state", "starting")
-        if cur != last:
-            detail = (s or {}).get("detail", "")
-            progress(f"  {node.name:<13} {cur:<11} {detail}  [{time.monotonic() - t0:5.1f} s]")
-            last = cur
-        if cur in states:
+        for n in (node, *watch):
+            p = pair.procs[n.name]
+            rc = p.poll()
+            if rc is not None:
+                raise LocalError(f"{n.name}'s supervisor exited with code {rc}; see "
+                                 f"{pair.workdir / 'logs' / (n.name + '.log')}")
+            s = agent_state(n.agent_url, timeout=1.0)
+            cur = (s or {}).get("state", "starting")
+            detail = (s or {}).get("detail") or f"supervisor started (pid {p.pid}); its agent is not answering yet"
+            if pair.seen.get(n.name) != cur:
+                progress(f"  {n.name:<13} {cur:<11} {detail}  [{time.monotonic() - t0:5.1f} s]")
+                pair.seen[n.name] = cur
+            if cur == A.FAILED:
+                raise LocalError(f"{n.name} failed: {detail}")
+        if pair.seen.get(node.name) in states:
             return
-        if cur == A.FAILED:
-            raise LocalError(f"{node.name} failed: {(s or {}).get('detail')}")
         if should_stop():
             raise KeyboardInterrupt
-        if time.monotonic() - t0 > timeout_s:
+        if time.monotonic() - since > timeout_s:
             raise LocalError(f"{node.name} not {'/'.join(states)} after {timeout_s:g} s")
         time.sleep(0.5)
+
+
+def cli_command() -> str:
+    """How to run dspark from this shell: `dspark` when that is on PATH and is this very
+    install, else the path of this install's script (e.g. .venv/bin/dspark)."""
+    import shutil
+
+    mine = Path(sys.executable).parent / "dspark"
+    found = shutil.which("dspark")
+    if found and mine.exists() and Path(found).resolve() == mine.resolve():
+        return "dspark"
+    if not mine.exists():
+        return f"{sys.executable} -m dspark"
+    try:
+        return str(mine.relative_to(Path.cwd()))
+    except ValueError:
+        return str(mine)
 
 
 def preflight(cluster: C.Cluster, node: C.NodeConfig, progress: Progress, host=None) -> None:
@@ -245,6 +270,10 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
     cluster = C.load(cluster_file)
     head, worker = cluster.head, cluster.workers[0]
     pair = Pair(cluster_file, workdir.resolve())
+    # A fresh appliance: no restart count or failure history carried over from earlier runs.
+    for node in (head, worker):
+        for name in ("starts", "failures.json"):
+            (pair.workdir / "state" / node.name / name).unlink(missing_ok=True)
     stop = {"sig": None}
 
     def on_signal(signum, frame):
@@ -253,27 +282,31 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
     try:
-        progress(f"dspark local: cluster {cluster_file}")
+        progress(f"dspark local: cluster {cluster_file}; [times] are seconds since local up started")
         progress(f"checking the worker (rank 1, {worker.address})")
         preflight(cluster, worker, progress, check_host)
         progress(f"starting the worker (rank 1, {worker.address}); logs in {pair.workdir / 'logs'}")
         pair.spawn(worker.name)
-        wait_state(pair, worker, (A.RENDEZVOUS, A.SERVING), 600, progress, lambda: stop["sig"] is not None)
+        wait_state(pair, worker, (A.RENDEZVOUS, A.SERVING), 600, progress, lambda: stop["sig"] is not None, t0)
         # The head is checked once the worker runs: its check compares the two nodes' cluster
         # file, model, runtime and clocks through the worker's agent.
         preflight(cluster, head, progress, check_host)
         progress(f"starting the head (rank 0, {head.address})")
         pair.spawn(head.name)
         wait_state(pair, head, (A.SERVING,), cluster.supervisor.ready_timeout_s, progress,
-                   lambda: stop["sig"] is not None)
+                   lambda: stop["sig"] is not None, t0, watch=(worker,))
         # The worker follows its head into serving within a poll (about a second).
-        wait_state(pair, worker, (A.SERVING,), 30, progress, lambda: stop["sig"] is not None)
+        wait_state(pair, worker, (A.SERVING,), 30, progress, lambda: stop["sig"] is not None, t0, watch=(head,))
         elapsed = time.monotonic() - t0
         progress("")
         progress(f"serving after {elapsed:.0f} s: {head.api_url}/v1  (model {SERVED_NAME!r}, token-id prompts)")
         progress(f"  curl -s {head.api_url}/v1/completions -H 'Content-Type: application/json' \\")
-        progress(f"    -d '{{\"model\": \"{SERVED_NAME}\", \"prompt\": [1, 2, 3], \"max_tokens\": 8}}'")
-        progress(f"  dspark status --config {cluster_file}")
+        progress(f"    -d '{{\"model\": \"{SERVED_NAME}\", \"prompt\": [1, 2, 3], \"max_tokens\": 8, "
+                 f"\"return_token_ids\": true}}'")
+        progress("  (the tiny model has no tokenizer: its answer is the generated token ids, \"token_ids\", "
+                 "with \"text\" empty; a text prompt gets HTTP 400 'Tokenizer not available', and "
+                 "/v1/chat/completions HTTP 500 with an empty message)")
+        progress(f"  {cli_command()} status --config {cluster_file}")
         progress("Ctrl-C stops both nodes.")
         if on_ready:
             on_ready(pair)
