@@ -129,6 +129,16 @@ def finish(report, out_dir: Path, quiet: bool) -> None:
     if not quiet:
         click.echo(md)
         click.echo("wrote " + ", ".join(str(x) for x in written))
+    if report.kind == "prefill" and report.complete:
+        from .prefill import nothing_measured
+
+        left_out = report.params.get("lengths_left_out")
+        if left_out and not quiet:
+            click.echo(f"left out the default lengths {', '.join(map(str, left_out))}: longer than the server's "
+                       f"max_model_len of {report.server.get('max_model_len')}")
+        why = nothing_measured(report)
+        if why:
+            fail(f"bench prefill: {why}", 1)
     if report.error:
         measured = sum(1 for t in report.trials if t.role == "trial")
         fail(f"bench {report.kind} stopped: {report.error}\n"
@@ -169,8 +179,9 @@ def bench(ctx: click.Context) -> None:
 
 @bench.command("prefill")
 @server_options
-@click.option("--lengths", default="1K,2K,4K,8K,16K,32K", show_default=True,
-              help="Exact input lengths in tokens, comma-separated (K = 1024).")
+@click.option("--lengths", default=None,
+              help="Exact input lengths in tokens, comma-separated (K = 1024). Default: those of 1K,2K,4K,8K,16K,32K "
+                   "that fit the server's max_model_len (a length you give that does not fit is refused).")
 @click.option("--trials", type=int, default=3, show_default=True, help="Measured trials per length (medians).")
 def prefill_cmd(config_path, url, model, out_dir, label, seed, request_timeout, quiet, lengths, trials) -> None:
     """Prefill speed at exact input lengths: client TTFT and input tok/s, server prefill tok/s.
@@ -181,7 +192,10 @@ def prefill_cmd(config_path, url, model, out_dir, label, seed, request_timeout, 
     """
     from .prefill import PrefillSpec
 
-    spec = PrefillSpec(lengths=parse_sizes(lengths, "--lengths"), trials=trials, seed=seed, label=label)
+    if lengths is None:
+        spec = PrefillSpec(trials=trials, seed=seed, label=label, fit_to_server=True)
+    else:
+        spec = PrefillSpec(lengths=parse_sizes(lengths, "--lengths"), trials=trials, seed=seed, label=label)
     if trials < 1:
         fail("--trials must be at least 1")
     _run("prefill", spec, config_path, url, model, out_dir, request_timeout, quiet)

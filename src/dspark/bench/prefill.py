@@ -30,6 +30,10 @@ class PrefillSpec:
     trials: int = 3
     seed: int = 0
     label: str = "run"
+    # The default lengths: run those the server's max_model_len holds (the local pair's 4,096
+    # holds 1K and 2K); lengths the user chose are refused instead when one does not fit.
+    fit_to_server: bool = False
+    left_out: tuple[int, ...] = ()  # default lengths the server's max_model_len does not hold
 
     def check(self) -> None:
         if not self.lengths:
@@ -53,8 +57,11 @@ class PrefillSpec:
         return prompts.make(self.seed, f"{PURPOSE}-{role}", length, index)
 
     def params(self) -> dict:
-        return {"lengths": list(self.lengths), "trials": self.trials, "seed": self.seed,
-                "max_tokens": 1, "warmup_requests": 1, "excluded_passes_per_length": 1}
+        p = {"lengths": list(self.lengths), "trials": self.trials, "seed": self.seed,
+             "max_tokens": 1, "warmup_requests": 1, "excluded_passes_per_length": 1}
+        if self.left_out:
+            p["lengths_left_out"] = list(self.left_out)
+        return p
 
 
 def check_fits(lengths: tuple[int, ...], max_model_len: int | None, output_tokens: int) -> None:
@@ -154,6 +161,17 @@ def measure(target: Target, model: str, prompt: prompts.Prompt, role: str, index
         overlap=server.overlap, notes=notes)
 
 
+def nothing_measured(report: Report) -> str | None:
+    """Why a finished run measured no prefill at all (every measured trial was served from the
+    prefix cache), or None."""
+    measured = [t for t in report.trials if t.role == "trial"]
+    if not measured or not all(t.prefix_cache_hit_tokens for t in measured):
+        return None
+    return (f"every measured trial ({len(measured)} of {len(measured)}) was served from the prefix cache, so "
+            "no prefill was measured: the server has seen these prompts before (an earlier run with the same "
+            "--seed); run again with another --seed, or after restarting the server")
+
+
 def new_report(spec: PrefillSpec, info: ServerInfo) -> Report:
     planned = [spec.prompt(*step).sha256 for step in spec.plan()]
     return Report(kind="prefill", label=spec.label, server=dataclasses.asdict(info), params=spec.params(),
@@ -172,6 +190,11 @@ def run(target: Target, spec: PrefillSpec, *, progress: Progress | None = None, 
     info = info or describe(target)
     if settings:
         info.settings.update(settings)
+    if spec.fit_to_server and info.max_model_len:
+        fitting = tuple(n for n in spec.lengths if n + 1 <= info.max_model_len)
+        if fitting:
+            spec = dataclasses.replace(spec, lengths=fitting,
+                                       left_out=tuple(n for n in spec.lengths if n not in fitting))
     check_fits(spec.lengths, info.max_model_len, 1)
     report = new_report(spec, info)
     progress = or_silent(progress)
