@@ -1,0 +1,111 @@
+"""README.md's runnable commands, run as written against the real local pair (issue 15): every
+`sh` block is read; each command that can run on this machine runs (with the pair's own ports
+and directory in place of the defaults), and every other one must be of a kind listed here
+with the reason it cannot, so a new README command cannot go untested unnoticed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pairlib import ROOT
+
+pytestmark = pytest.mark.pair
+
+README = ROOT / "README.md"
+# Commands that cannot run in this test, by their first word(s), and why.
+NOT_HERE = {
+    ".ci/setup": "sets up the venv the tests already run in",
+    ".ci/run": "runs this very suite",
+    "sudo": "installs units or switches a NixOS system (root, a real host: tests/systemd covers the units)",
+    "nix": "needs nixpkgs, which cannot be fetched here (README: What was built and evaluated)",
+    "python3": "the runtime lock and replay: minutes and 4 GB of wheels (tests/nix covers them where cached)",
+    "/tmp/lockenv/bin/python": "the runtime lock (needs the network)",
+}
+
+
+def commands() -> list[str]:
+    out = []
+    for block in re.findall(r"```sh\n(.*?)```", README.read_text(), re.S):
+        text = re.sub(r"\\\n\s*", " ", block)  # join continued lines
+        for line in text.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line:
+                out.append(line)
+    return out
+
+
+def runnable(cmd: str) -> bool:
+    first = cmd.split()[0]
+    if first in ("dspark", ".venv/bin/dspark", "curl"):
+        return True
+    assert first in NOT_HERE, f"README command of an unknown kind (run it here, or list why not): {cmd}"
+    return False
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_here(cmd: str, pair, tmp: Path) -> str:
+    """The command with this pair's directory and ports, and dspark as this checkout has it."""
+    cmd = re.sub(r"^dspark ", ".venv/bin/dspark ", cmd)
+    cmd = cmd.replace(".dspark/local/cluster.toml", str(pair.cluster_file))
+    cmd = cmd.replace("http://127.0.0.1:8000", pair.api_url)
+    cmd = cmd.replace(" cluster.toml", f" {tmp / 'cluster.toml'}").replace(" results/", f" {tmp / 'results'}/")
+    return cmd
+
+
+def test_every_readme_command_is_run_here_or_says_why_not():
+    cmds = commands()
+    assert cmds
+    ran = [c for c in cmds if runnable(c)]
+    assert any(c.startswith("curl ") for c in ran) and any(" status " in c for c in ran)
+
+
+def test_readme_commands_run_against_the_local_pair(local_pair, tmp_path):
+    results = {}
+    for cmd in filter(runnable, commands()):
+        here = as_here(cmd, local_pair, tmp_path)
+        if " dashboard " in here:  # a server: started, read, stopped
+            port = free_port()
+            proc = subprocess.Popen(shlex.split(here) + ["--port", str(port)], cwd=ROOT,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                snap = None
+                for _ in range(60):
+                    try:
+                        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/snapshot", timeout=2) as r:
+                            snap = json.loads(r.read())
+                        if snap["round"] >= 2:
+                            break
+                    except OSError:
+                        pass
+                    time.sleep(0.5)
+                assert snap and snap["serving"] and snap["model"] == "dspark-local", snap
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+            results[cmd] = 0
+            continue
+        r = subprocess.run(here, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        results[cmd] = r.returncode
+        if cmd.startswith("curl "):
+            ids = json.loads(r.stdout)["choices"][0]["token_ids"]
+            assert len(ids) == 8, r.stdout
+        elif " config check " in cmd:  # the fresh template: every CHANGEME named, nothing passes
+            assert r.returncode != 0 and "CHANGEME" in r.stderr and "Traceback" not in r.stderr, r.stderr
+            continue
+        assert r.returncode == 0, (cmd, here, r.stdout[-2000:], r.stderr[-2000:])
+    assert len(results) >= 6, results

@@ -1,0 +1,37 @@
+"""Figures and claims in README.md that the code decides (issue 15 item 7): the restart backoff
+is the supervisor's, and `dspark render` never reads the API key (the README said it printed
+it as <redacted>)."""
+
+import os
+import re
+from pathlib import Path
+
+from pairlib import run_dspark
+
+from dspark.node_policy import BACKOFF_MAX_S, backoff_delay
+
+README = (Path(__file__).parents[1] / "README.md").read_text()
+
+
+def test_readme_backoff_is_the_supervisors():
+    m = re.search(r"the first restart at once, then ([\d, ]+) … (\d+) s", README)
+    assert m, "README.md: the backoff sequence is not stated"
+    stated = [0.0] + [float(x) for x in m.group(1).split(",") if x.strip()]
+    assert stated == [backoff_delay(n) for n in range(1, len(stated) + 1)]
+    assert float(m.group(2)) == BACKOFF_MAX_S
+
+
+def test_render_never_reads_the_api_key(tmp_path):
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(f'[model]\npath = "{tmp_path}"\n[[nodes]]\nname = "a"\nrank = 0\naddress = "10.0.0.1"\n'
+                       '[[nodes]]\nname = "b"\nrank = 1\naddress = "10.0.0.2"\n')
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "api-key").write_text("key-from-credential")
+    env = {**os.environ, "DSPARK_API_KEY": "key-from-dspark-env", "VLLM_API_KEY": "key-from-vllm-env",
+           "CREDENTIALS_DIRECTORY": str(creds)}
+    for fmt in ([], ["--json"]):
+        r = run_dspark("render", "--config", str(cluster), "--node", "a", *fmt, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "key-from" not in r.stdout and "<redacted>" not in r.stdout, r.stdout
+    assert "prints it as `<redacted>`" not in README
