@@ -8,6 +8,7 @@ import json
 import os
 import random
 import sys
+import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +22,10 @@ from dspark.local import HEAD_NAME, SERVED_NAME, WORKER_NAME, LocalError, LocalP
 CLUSTER_DIR = "/srv/dspark-local"  # inside the container (outside /tmp: PrivateTmp hides that)
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
 DSPARK = str(ROOT / ".venv" / "bin" / "dspark")
+# Inside the container, when user dspark cannot execute the checkout's interpreter (a pyenv
+# under /root, mode 700): a venv on a Python it can execute, reading the checkout venv's
+# packages. What the units run lives here, so they run exactly as shipped (User=dspark).
+RUNTIME = "/opt/dspark/venv"
 UNITS = ("dspark-head.service", "dspark-worker.service", "dspark-wait-worker.service",
          "dspark-worker-ready.target")
 
@@ -42,7 +47,7 @@ def free_ports() -> LocalPorts:
 class Appliance:
     box: Container
     ports: LocalPorts
-    user_note: str = ""  # why the units run as root here, if they do
+    user_note: str = ""  # which runtime the units (as user dspark) run from
 
     @property
     def api_url(self) -> str:
@@ -104,15 +109,56 @@ class Appliance:
         return int(self.box.show(unit, "NRestarts")["NRestarts"])
 
 
+def _dspark_can_execute(box: Container, python: str) -> bool:
+    probe = box.run("setpriv", "--reuid=dspark", "--regid=dspark", "--clear-groups", "--inh-caps=-all",
+                    "sh", "-c", 'exec "$0" -c "import dspark"', python, timeout=60)
+    return probe.returncode == 0
+
+
+def runtime(box: Container) -> tuple[str, str, str]:
+    """(python, dspark, how) that the service user can execute inside the container: the
+    checkout's venv when it can, else a venv under RUNTIME on this Python version's system
+    interpreter whose site-packages are the checkout venv's (a .pth file), scripts included."""
+    box.run("systemd-sysusers", timeout=60)  # the dspark user (the units' sysusers.d file comes later)
+    box.run("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "dspark", timeout=30)
+    if _dspark_can_execute(box, PYTHON):
+        return PYTHON, DSPARK, "the checkout's venv"
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    base = next((c for c in (f"/usr/bin/{ver}", f"/usr/local/bin/{ver}") if os.access(c, os.X_OK)), None)
+    if base is None:
+        raise RuntimeError(f"user dspark cannot execute {os.path.realpath(PYTHON)} and there is no "
+                           f"system {ver} to build {RUNTIME} on")
+    box.run(base, "-m", "venv", "--without-pip", RUNTIME, timeout=120, check=True)
+    inside_site = box.run(f"{RUNTIME}/bin/python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
+                          timeout=60, check=True).stdout.strip()
+    checkout_site = sysconfig.get_path("purelib", vars={"base": str(ROOT / ".venv"),
+                                                        "platbase": str(ROOT / ".venv")})
+    box.path(inside_site).joinpath("dspark-checkout.pth").write_text(
+        f"import site; site.addsitedir({checkout_site!r})\n")
+    for script in ("dspark", "vllm"):
+        src = ROOT / ".venv" / "bin" / script
+        if src.exists():
+            lines = src.read_text().splitlines(keepends=True)
+            dst = box.path(f"{RUNTIME}/bin/{script}")
+            dst.write_text(f"#!{RUNTIME}/bin/python\n" + "".join(lines[1:]))
+            dst.chmod(0o755)
+    if not _dspark_can_execute(box, f"{RUNTIME}/bin/python"):
+        raise RuntimeError(f"user dspark cannot execute {RUNTIME}/bin/python either")
+    return f"{RUNTIME}/bin/python", f"{RUNTIME}/bin/dspark", f"{RUNTIME} on {base}"
+
+
 def install(box: Container, ports: LocalPorts | None = None) -> Appliance:
-    """Write the local cluster into the container and install the units for both roles."""
+    """Write the local cluster into the container and install the units for both roles, as
+    shipped: they run as the dspark user, from where that user can execute them."""
     ports = ports or free_ports()
-    box.run(PYTHON, "-c", "import sys; from pathlib import Path; from dspark.local import prepare, LocalPorts; "
+    python, dspark, how = runtime(box)
+    # prepare() names vLLM's CLI beside the Python that runs it: the runtime's.
+    box.run(python, "-c", "import sys; from pathlib import Path; from dspark.local import prepare, LocalPorts; "
             f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api={ports.api}, master={ports.master}, "
             f"agent={ports.agent}))", timeout=60, check=True)
-    box.run(DSPARK, "systemd", "install", "--node", HEAD_NAME, "--node", WORKER_NAME,
-            "--config", f"{CLUSTER_DIR}/cluster.toml", timeout=60, check=True)
-    app = Appliance(box, ports)
+    box.run(dspark, "systemd", "install", "--node", HEAD_NAME, "--node", WORKER_NAME,
+            "--config", f"{CLUSTER_DIR}/cluster.toml", "--dspark-bin", dspark, timeout=60, check=True)
+    app = Appliance(box, ports, user_note=f"units run as user dspark from {how}")
     # The units keep PrivateTmp=yes: a checkout under /tmp (a CI clone, say) would vanish
     # inside them, so only then the test binds it back in, read-only, over the private /tmp.
     checkout = Path(os.path.realpath(ROOT))
@@ -122,18 +168,6 @@ def install(box: Container, ports: LocalPorts | None = None) -> Appliance:
             d.mkdir(parents=True, exist_ok=True)
             (d / "91-test-checkout.conf").write_text(
                 f"# tests only: this checkout lives under a private /tmp\n[Service]\nBindReadOnlyPaths={checkout}\n")
-        box.systemctl("daemon-reload", check=True)
-    # The units run as the dspark user. This checkout's interpreter may live where that user
-    # cannot reach it (a pyenv under /root); then, and only then, the test runs them as root.
-    probe = box.run("setpriv", "--reuid=dspark", "--regid=dspark", "--clear-groups", "--inh-caps=-all",
-                    "sh", "-c", 'exec "$0" -c pass', PYTHON, timeout=60)
-    if probe.returncode != 0:
-        real = os.path.realpath(PYTHON)
-        app.user_note = f"units run as root here: user dspark cannot execute {real}"
-        for unit in ("dspark-head", "dspark-worker", "dspark-wait-worker"):
-            d = box.path(f"/etc/systemd/system/{unit}.service.d")
-            (d / "90-test-user.conf").write_text(
-                f"# tests only: {app.user_note}\n[Service]\nUser=root\nGroup=root\n")
         box.systemctl("daemon-reload", check=True)
     return app
 

@@ -72,6 +72,21 @@ def test_start_head_pulls_in_the_worker_ready_target_and_waits_for_it(app: Appli
     app.wait_serving(60)  # the worker follows its head into serving
 
 
+def test_the_units_run_as_shipped_as_the_unprivileged_dspark_user(app: Appliance):
+    # No test drop-in relaxes the units (issue 12 item 13): what runs is what ships.
+    for unit in ("dspark-head.service", "dspark-worker.service", "dspark-wait-worker.service"):
+        p = app.box.show(unit, "User", "ProtectSystem", "ProtectHome", "NoNewPrivileges", "DropInPaths")
+        assert p["User"] == "dspark" and p["ProtectSystem"] == "strict" and p["NoNewPrivileges"] == "yes", p
+        assert p["ProtectHome"] == "read-only", p
+        assert "test-user" not in p["DropInPaths"], p
+    for node in (HEAD_NAME, WORKER_NAME):
+        unit = "dspark-head.service" if node == HEAD_NAME else "dspark-worker.service"
+        pids = {"supervisor": app.box.show(unit, "MainPID")["MainPID"], "vLLM": str(app.state(node)["vllm_pid"])}
+        for what, pid in pids.items():
+            user = app.box.run("ps", "-o", "user=", "-p", pid, timeout=30).stdout.strip()
+            assert user == "dspark", (node, what, pid, user)
+
+
 def test_systemctl_status_shows_the_status_lines(app: Appliance):
     assert f'Status: "serving: API on {app.api_url}"' in app.box.status("dspark-head")
     assert f'Status: "serving: pair serving with {HEAD_NAME}"' in app.box.status("dspark-worker")
