@@ -130,7 +130,7 @@ def test_a_wedged_worker_is_a_stall_found_within_stall_s(fresh_pair):
             os.killpg(pgid, signal.SIGCONT)  # the worker's supervisor sends it too; never leave it stopped
         except ProcessLookupError:
             pass
-    assert detected <= sup.stall_s + sup.liveness_interval_s + 2, detected
+    assert detected <= sup.stall_s + sup.liveness_interval_s + 5, detected  # + a round's /metrics read on a loaded host
     assert "engine stalled" in head_log(pair)
     wait_for_exit(pair, 120)
     logs = head_log(pair) + (pair.workdir / "logs" / "local-worker.log").read_text(errors="replace")

@@ -285,7 +285,7 @@ def test_a_stalled_engine_is_detected_within_stall_s_while_health_answers(tmp_pa
     assert s.wait(timeout=30) == EXIT_DIED
     detected = time.monotonic() - t_stall
     assert "engine stalled: 3 running" in s.messages[-1], s.messages[-1]
-    assert detected < stall_s + interval + 2.0, detected  # + the stop and a loaded host's slack
+    assert detected < stall_s + interval + 4.0, detected  # + a round, the stop and a loaded host's slack
 
 
 def test_a_hung_idle_engine_is_caught_by_the_probe_and_the_watchdog_is_starved(tmp_path, serve):
