@@ -277,3 +277,25 @@ def test_a_round_still_running_delays_the_next_and_it_starts_as_soon_as_that_one
     # ... and the next starts the moment it has ended, not an interval later.
     done = Round(Verdict(alive=True), None, 14.5)
     assert "liveness_round" in kinds(p.step(14.5, Events(round=done)))
+
+
+def test_a_finished_background_probe_wakes_the_loop_at_once():
+    import threading
+
+    from dspark.probes import Background
+    from dspark.signals import SignalQueue
+
+    q = SignalQueue()
+    bg = Background("t", q.wake)
+    gate = threading.Event()
+    bg.start(lambda: gate.wait(5) and "result")
+    assert bg.take() == (False, None) and bg.busy
+    import time
+
+    gate.set()
+    t0 = time.monotonic()
+    assert q.get(5.0) is None          # woken (not a signal) ...
+    assert time.monotonic() - t0 < 2.0  # ... at once, not after the 5 s
+    assert bg.take() == (True, "result") and not bg.busy
+    q.put(signal.SIGTERM)
+    assert q.get(0) == signal.SIGTERM

@@ -117,11 +117,13 @@ def poll_agents(urls: dict[str, str], timeout: float = 1.0) -> dict[str, AgentAn
 
 class Background(Generic[T]):
     """At most one run of a blocking call at a time, in a daemon thread; the result is taken
-    once by the loop (`take`)."""
+    once by the loop (`take`). `on_done` (e.g. waking the loop) runs when the call has ended."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, on_done: Callable[[], None] | None = None):
         self.name = name
+        self.on_done = on_done
         self._thread: threading.Thread | None = None
+        self._done = threading.Event()
         self._result: list[T] = []
 
     @property
@@ -131,17 +133,22 @@ class Background(Generic[T]):
     def start(self, fn: Callable[[], T]) -> None:
         if self._thread is not None:
             return
+        self._done.clear()
 
         def run() -> None:
-            self._result.append(fn())
+            try:
+                self._result.append(fn())
+            finally:
+                self._done.set()
+                if self.on_done is not None:
+                    self.on_done()
 
         self._thread = threading.Thread(target=run, name=self.name, daemon=True)
         self._thread.start()
 
     def take(self) -> tuple[bool, T | None]:
-        """(True, result) once the run has ended; (False, None) while none ended."""
-        t = self._thread
-        if t is None or t.is_alive():
+        """(True, result) once the run has ended (None if it raised); (False, None) otherwise."""
+        if self._thread is None or not self._done.is_set():
             return False, None
         self._thread = None
         return (True, self._result.pop()) if self._result else (True, None)

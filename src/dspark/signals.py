@@ -14,6 +14,7 @@ import queue
 import signal
 
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+WAKE = 0  # not a signal: a background probe has finished, look now rather than at the next tick
 
 
 class SignalQueue:
@@ -31,12 +32,17 @@ class SignalQueue:
     def put(self, signum: int) -> None:
         self._q.put(signum)
 
+    def wake(self) -> None:
+        self._q.put(WAKE)
+
     def get(self, timeout: float) -> int | None:
-        """The next signal, waiting at most `timeout` seconds (a signal wakes the wait at once)."""
+        """The next signal, waiting at most `timeout` seconds (a signal or a wake ends the wait at
+        once); None when there is none."""
         try:
-            return self._q.get(timeout=max(0.0, timeout)) if timeout > 0 else self._q.get_nowait()
+            sig = self._q.get(timeout=max(0.0, timeout)) if timeout > 0 else self._q.get_nowait()
         except queue.Empty:
             return None
+        return None if sig == WAKE else sig
 
 
 def die_quietly(signum, frame) -> None:

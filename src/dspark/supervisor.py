@@ -135,9 +135,10 @@ class Supervisor:
         self.policy = NodePolicy(is_head=node.is_head, limits=Limits.of(self.sup), judge=judge, peers=peers,
                                  api_url=node.api_url, watchdog_s=self.notify.watchdog_interval,
                                  track_history=self.history is not None)
-        self._ready_probe: Background = Background("ready-probe")
-        self._round: Background = Background("liveness-round")
-        self._peers: Background = Background("peers")
+        wake = self.signals.wake
+        self._ready_probe: Background = Background("ready-probe", wake)
+        self._round: Background = Background("liveness-round", wake)
+        self._peers: Background = Background("peers", wake)
         self.agent: Agent | None = None
         self._gpu = hardware.Gpu()
 
