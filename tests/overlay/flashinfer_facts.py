@@ -21,6 +21,7 @@ refuses <= 64 rows (they must go through the decode kernel).
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import re
 from dataclasses import dataclass
@@ -87,6 +88,9 @@ class SparseMlaSm120:
     prefill_dual_topks: tuple[int, ...]
     prefill_dual_extra_page_tokens: tuple[int, ...]
     io_stride: int  # bytes of NoPE+RoPE data per token; scales follow the data
+    # The signature of flashinfer.decode.trtllm_batch_decode_sparse_mla_dsv4 (defined in
+    # mla/_core.py), which vLLM's flashinfer_trtllm_batch_decode_sparse_mla_dsv4 forwards to.
+    decode_signature: inspect.Signature
 
     def decode_widths(self, heads: int) -> tuple[int, ...]:
         return tuple(sorted(k for h, k in self.decode_dispatch if h == heads))
@@ -113,6 +117,38 @@ class SparseMlaSm120:
         if extra_page_tokens not in self.prefill_dual_extra_page_tokens:
             return f"dual-cache prefill extra pages not in {self.prefill_dual_extra_page_tokens}: {where}"
         return None
+
+
+def signature_from_source(path: Path, name: str) -> inspect.Signature:
+    """The signature of function `name` in `path`, read with ast (the module needs a GPU to
+    import). Defaults that are literals keep their value; any other default reads as None."""
+    tree = ast.parse(path.read_text())
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if fn is None:
+        raise AssertionError(f"{path}: no function {name}")
+    a = fn.args
+    params: list[inspect.Parameter] = []
+
+    def default(node):
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            return None
+
+    positional = a.posonlyargs + a.args
+    pos_defaults = [inspect.Parameter.empty] * (len(positional) - len(a.defaults)) + [default(d) for d in a.defaults]
+    for i, (arg, d) in enumerate(zip(positional, pos_defaults)):
+        kind = (inspect.Parameter.POSITIONAL_ONLY if i < len(a.posonlyargs)
+                else inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params.append(inspect.Parameter(arg.arg, kind, default=d))
+    if a.vararg:
+        params.append(inspect.Parameter(a.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
+    for arg, d in zip(a.kwonlyargs, a.kw_defaults):
+        params.append(inspect.Parameter(arg.arg, inspect.Parameter.KEYWORD_ONLY,
+                                        default=inspect.Parameter.empty if d is None else default(d)))
+    if a.kwarg:
+        params.append(inspect.Parameter(a.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(params)
 
 
 def load(root: Path | None = None) -> SparseMlaSm120:
@@ -158,4 +194,6 @@ def load(root: Path | None = None) -> SparseMlaSm120:
         prefill_dual_extra_page_tokens=_ints(
             r"extra_page_block_size == (\d+)", dual, "dual extra page size"),
         io_stride=d_nope + 2 * d_rope,  # bf16 RoPE
+        decode_signature=signature_from_source(root / "mla" / "_core.py",
+                                               "trtllm_batch_decode_sparse_mla_dsv4"),
     )

@@ -257,10 +257,20 @@ class Recorder:
         self.calls: list[dict] = []
         self.refusals: list[str] = []
 
-    def __call__(self, *, query, swa_kv_cache, workspace_buffer, sparse_indices,
-                 compressed_kv_cache=None, out=None, bmm1_scale=1.0, sinks=None,
-                 kv_layout="HND", swa_topk_lens=None, extra_sparse_indices=None,
-                 extra_sparse_topk_lens=None, **unused):
+    def __call__(self, *args, **kwargs):
+        # The call must bind to FlashInfer's own signature (read from its source).
+        try:
+            bound = self.fi.decode_signature.bind(*args, **kwargs)
+        except TypeError as e:
+            self.refusals.append(f"does not bind to trtllm_batch_decode_sparse_mla_dsv4: {e}")
+            return kwargs.get("out")
+        bound.apply_defaults()
+        return self._check(**bound.arguments)
+
+    def _check(self, *, query, swa_kv_cache, workspace_buffer, sparse_indices,
+               compressed_kv_cache=None, out=None, bmm1_scale=1.0, sinks=None,
+               kv_layout="HND", swa_topk_lens=None, extra_sparse_indices=None,
+               extra_sparse_topk_lens=None, **unused):
         import torch
 
         def dense(idx, name):

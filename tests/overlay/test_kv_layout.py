@@ -42,6 +42,12 @@ def test_flashinfer_facts_are_read_from_the_locked_sources(flashinfer):
     assert flashinfer.decode_max_tokens == 64 and flashinfer.decode_page_tokens == 64
     assert flashinfer.prefill_dual_topks == (128,)
     assert flashinfer.bytes_per_token == 584 and flashinfer.io_stride == 576
+    # The decode entry point's real signature, which every recorded call must bind to.
+    sig = flashinfer.decode_signature
+    assert list(sig.parameters)[:4] == ["query", "swa_kv_cache", "workspace_buffer", "sparse_indices"]
+    assert {"extra_sparse_indices", "swa_topk_lens", "kv_layout"} <= set(sig.parameters)
+    with pytest.raises(TypeError):  # a keyword FlashInfer does not take is refused
+        sig.bind(None, None, None, None, sparse_index_width=512)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
