@@ -1,6 +1,6 @@
 """Torch-level checks of vllm/utils/spark_sm12x_attn.py (overlay/0003), run
 on any device: ``run_all(module, "cpu")`` in the default test run,
-``run_all(module, "cuda")`` through run_attn_cuda_checks.py on a GPU.
+``run_all(module, "cuda")`` through run_cuda_checks.py on a GPU.
 
 The padded-rows check runs a small sparse attention in torch (the same
 arithmetic FlashInfer's kernel does: gather the indexed KV rows, skip -1,

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from .attn_tensor_checks import CHECKS, run_all
-from .run_attn_cuda_checks import load_module
+from .run_cuda_checks import load_module
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_all(load_module(tmp_path_factory.mktemp("attn")), "cpu")
+    return run_all(load_module(tmp_path_factory.mktemp("attn"), "spark_sm12x_attn"), "cpu")
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
