@@ -4,14 +4,11 @@ pairlib.py (a module of its own name: test folders have conftest.py files of the
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from pairlib import ARTIFACTS, start_pair
+from pairlib import ARTIFACTS, kill_leftovers, start_pair
 
 
 def _pair_fixture(workdir: Path):
@@ -20,13 +17,7 @@ def _pair_fixture(workdir: Path):
         yield pair
     finally:
         pair.stop()
-        # Leave nothing behind: every supervisor and vLLM process of this pair is gone.
-        leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
-        for pid in leftover:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        kill_leftovers(workdir)
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,17 @@ def run_dspark(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedPro
     return subprocess.run(dspark_cmd(*args), capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def kill_leftovers(workdir: Path) -> None:
+    """Leave nothing behind: SIGKILL every process (supervisor, vLLM) whose command line names
+    `workdir`, a directory of the test's own."""
+    leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    for pid in leftover:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def get_json(url: str, timeout: float = 2.0):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pairlib import dspark_cmd, get_json, pick_ports, run_dspark
+from pairlib import dspark_cmd, get_json, kill_leftovers, pick_ports, run_dspark
 from dspark import config as C
 from dspark import local as L
 from dspark import vllm_facts as F
@@ -78,8 +78,11 @@ def test_wait_worker_returns_at_once_when_the_worker_is_in_the_pair(local_pair):
 
 
 def test_ports_in_use_are_refused_before_anything_starts(local_pair, tmp_path):
-    r = run_dspark("local", "up", "--dir", str(tmp_path), "--api-port", str(local_pair.ports.api),
-                   "--agent-port", str(local_pair.ports.agent), "--master-port", str(local_pair.ports.master))
+    try:
+        r = run_dspark("local", "up", "--dir", str(tmp_path), "--api-port", str(local_pair.ports.api),
+                       "--agent-port", str(local_pair.ports.agent), "--master-port", str(local_pair.ports.master))
+    finally:
+        kill_leftovers(tmp_path)  # should the refusal fail, the nodes it started must not outlive the test
     assert r.returncode == 1 and "is not free" in r.stderr and "Traceback" not in r.stderr
 
 
