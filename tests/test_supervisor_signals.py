@@ -66,7 +66,10 @@ def test_sigint_in_the_first_instants_gives_no_traceback(tmp_path, delay):
     proc = subprocess.Popen(dspark_cmd("serve", "--config", str(cluster), "--node", "h", "--skip-plan",
                                        "--state-dir", str(tmp_path / "state")),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "STANDIN_ENV_FILE": str(tmp_path / "env.json")})
+                            env={**os.environ, "STANDIN_ENV_FILE": str(tmp_path / "env.json")},
+                            # A terminal's Ctrl-C: SIGINT at its default, also when this test
+                            # itself runs as a background job (where the shell ignores SIGINT).
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
