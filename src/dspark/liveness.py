@@ -40,6 +40,12 @@ class Progress:
     def busy(self) -> bool:
         return self.running + self.waiting > 0
 
+    def moved_since(self, prev: Progress | None) -> bool:
+        """Whether the engine worked between `prev` and this reading: tokens counted or the KV
+        usage changed, on the same API server (a restart resets the counters: not progress)."""
+        return (prev is not None and prev.started == self.started and self.work >= prev.work
+                and (self.work > prev.work or self.kv_usage != prev.kv_usage))
+
 
 def read_progress(text: str) -> Progress:
     """Parse vLLM's /metrics text; raises ValueError when it is not a serving vLLM's page."""
@@ -91,8 +97,7 @@ class LivenessJudge:
         if p is None:
             self.since = None
             return Verdict(alive=False, need_probe=True, reason="no usable /metrics answer")
-        comparable = prev is not None and prev.started == p.started and p.work >= prev.work
-        if comparable and (p.work > prev.work or p.kv_usage != prev.kv_usage):
+        if p.moved_since(prev):
             self.since = now if p.busy else None
             moved = (f"{p.work - prev.work:,.0f} tokens" if p.work > prev.work
                      else f"KV cache {prev.kv_usage:.2%} -> {p.kv_usage:.2%} (prefill)")
@@ -125,8 +130,7 @@ class LivenessJudge:
         if ok:
             return self._alive(PROBE, now, f"1-token completion in {latency_s:.2f} s" if latency_s is not None
                                else "1-token completion")
-        if (after is not None and before is not None and after.started == before.started
-                and (after.work > before.work or after.kv_usage != before.kv_usage)):
+        if after is not None and after.moved_since(before):
             # Traffic arrived while the probe waited and the engine worked through it.
             return self._alive(PROGRESS, now, f"probe starved by traffic ({error}); "
                                               f"{after.work - before.work:,.0f} tokens processed meanwhile")
