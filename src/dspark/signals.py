@@ -9,7 +9,6 @@ stop the node (exit 0); SIGHUP restarts it, through a failure exit so that syste
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 
@@ -44,9 +43,3 @@ class SignalQueue:
             return None
         return None if sig == WAKE else sig
 
-
-def die_quietly(signum, frame) -> None:
-    """Until a command takes a signal over, it ends the process the way the signal's default
-    would (nothing has started yet, so nothing to clean up), without a traceback."""
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
