@@ -275,7 +275,7 @@ def status_cmd(config_path: Path | None, as_json: bool) -> None:
 # ------------------------------------------------------------------------------ local
 @main.group("local")
 def local_group() -> None:
-    """The two-node appliance on this machine, with the real vLLM CPU build."""
+    """The two-node appliance (or N nodes) on this machine, with the real vLLM CPU build."""
 
 
 @local_group.command("up")
@@ -285,12 +285,16 @@ def local_group() -> None:
 @click.option("--agent-port", type=int, default=8890, show_default=True, help="Agent port (each node's address).")
 @click.option("--master-port", type=int, default=29500, show_default=True, help="Rendezvous port.")
 @click.option("--compile", "compile_", is_flag=True, help="Let vLLM torch.compile the model (slow start).")
-def local_up_cmd(workdir: Path, api_port: int, agent_port: int, master_port: int, compile_: bool) -> None:
-    """Start worker (127.0.0.2) then head (127.0.0.1); Ctrl-C stops both."""
+@click.option("--nodes", type=int, default=2, show_default=True,
+              help="Nodes (ranks) on 127.0.0.1 .. 127.0.0.N, tensor parallel over all of them (2 or 4).")
+def local_up_cmd(workdir: Path, api_port: int, agent_port: int, master_port: int, compile_: bool,
+                 nodes: int) -> None:
+    """Start the workers (127.0.0.2 ..) then the head (127.0.0.1); Ctrl-C stops them all."""
     from .local import LocalError, LocalPorts, up
 
     try:
-        code = up(workdir, LocalPorts(api=api_port, master=master_port, agent=agent_port), compile=compile_)
+        code = up(workdir, LocalPorts(api=api_port, master=master_port, agent=agent_port), compile=compile_,
+                  nodes=nodes)
     except LocalError as e:
         fail(f"local up: {e}", 1)
     sys.exit(code)

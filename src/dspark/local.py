@@ -1,8 +1,10 @@
-"""The local appliance: the two-node pair on one machine, with the real vLLM CPU build.
+"""The local appliance: the GB10 pair (or ring of N nodes) on one machine, with the real vLLM
+CPU build.
 
-A generated cluster file (worker on 127.0.0.2, head on 127.0.0.1) and a tiny random-weight
-model (config.json only), run through the very same `dspark serve` supervisors as on the
-GB10 nodes: worker first, then the head once the worker's agent reports the rendezvous.
+A generated cluster file (head on 127.0.0.1, rank r on 127.0.0.(r+1), tensor parallel over all
+of them) and a tiny random-weight model, run through the very same `dspark serve` supervisors
+as on the GB10 nodes: the workers first, then the head once every worker's agent reports the
+rendezvous.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from .agent_client import agent_state
 WORKER_ADDR = "127.0.0.2"
 HEAD_ADDR = "127.0.0.1"
 HEAD_NAME = "local-head"
-WORKER_NAME = "local-worker"
+WORKER_NAME = "local-worker"  # rank 1; ranks 2.. are local-worker-2, local-worker-3, ...
 SERVED_NAME = "dspark-local"
+DEFAULT_NODES = 2
+MAX_NODES = 8
 
 # A 2-layer Llama with random weights: enough to run the real engine, the real TP=2
 # collectives and the real HTTP API, small enough to start on two CPU cores.
@@ -60,13 +64,36 @@ class LocalPorts:
     agent: int = 8890
 
 
-def memory_per_node_gib() -> float:
-    """Half of this machine's memory: the two local 'nodes' share it."""
+def node_name(rank: int) -> str:
+    return HEAD_NAME if rank == 0 else WORKER_NAME if rank == 1 else f"{WORKER_NAME}-{rank}"
+
+
+def node_address(rank: int) -> str:
+    return f"127.0.0.{rank + 1}"
+
+
+def valid_node_counts() -> list[int]:
+    """Node counts the tiny model can be split over with tensor parallelism (one rank per node):
+    those that divide its attention and KV heads."""
+    heads = (TINY_MODEL["num_attention_heads"], TINY_MODEL["num_key_value_heads"])
+    return [n for n in range(2, MAX_NODES + 1) if all(h % n == 0 for h in heads)]
+
+
+def check_nodes(nodes: int) -> None:
+    valid = valid_node_counts()
+    if nodes not in valid:
+        raise LocalError(f"--nodes {nodes}: the tiny local model has {TINY_MODEL['num_attention_heads']} "
+                         f"attention heads, and tensor parallelism over N nodes needs N to divide them; "
+                         f"choose one of {', '.join(map(str, valid))}")
+
+
+def memory_per_node_gib(nodes: int = DEFAULT_NODES) -> float:
+    """This machine's memory shared out among the local 'nodes'."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemTotal:"):
-                    return round(int(line.split()[1]) / 1024**2 / 2, 2)
+                    return round(int(line.split()[1]) / 1024**2 / nodes, 2)
     except OSError:
         pass
     return 4.0
@@ -78,16 +105,18 @@ def vllm_command() -> list[str]:
     return [str(exe)] if exe.exists() else ["vllm"]
 
 
-def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = False) -> dict:
+def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = False,
+                 nodes: int = DEFAULT_NODES) -> dict:
+    check_nodes(nodes)
     node_common = {"agent_port": ports.agent, "master_port": ports.master}
     extra = [] if compile else ["--optimization-level", "0"]  # skip torch.compile: minutes on 2 cores
     return {
         "model": {"path": str(workdir / "model"), "served_name": SERVED_NAME, "trust_remote_code": False},
         "serving": {
             "vllm_command": vllm_command(),
-            "tensor_parallel_size": 2,
+            "tensor_parallel_size": nodes,
             "gpus_per_node": 1,
-            "usable_memory_gib": memory_per_node_gib(),
+            "usable_memory_gib": memory_per_node_gib(nodes),
             "max_model_len": 4096,
             "max_num_seqs": 16,
             "max_num_batched_tokens": 4096,
@@ -112,26 +141,30 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
         "nodes": [
             {"name": HEAD_NAME, "rank": 0, "role": "head", "address": HEAD_ADDR, "api_host": HEAD_ADDR,
              "api_port": ports.api, **node_common},
-            {"name": WORKER_NAME, "rank": 1, "role": "worker", "address": WORKER_ADDR, **node_common},
+            *({"name": node_name(r), "rank": r, "role": "worker", "address": node_address(r), **node_common}
+              for r in range(1, nodes)),
         ],
     }
 
 
-def prepare(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = False) -> Path:
+def prepare(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = False,
+            nodes: int = DEFAULT_NODES) -> Path:
     """Write the tiny model and the cluster file under `workdir`; return the cluster file."""
+    data = cluster_dict(workdir.resolve(), ports, compile, nodes)
     workdir = workdir.resolve()
     (workdir / "model").mkdir(parents=True, exist_ok=True)
     (workdir / "model" / "config.json").write_text(json.dumps(TINY_MODEL, indent=2) + "\n")
-    data = cluster_dict(workdir, ports, compile)
     C.from_dict(data)  # the generated file must pass the same validation as a hand-written one
     path = workdir / "cluster.toml"
-    path.write_text("# Generated by `dspark local up`: the local two-node appliance.\n" + C.dumps(data))
+    what = "two-node appliance" if nodes == 2 else f"{nodes}-node appliance"
+    path.write_text(f"# Generated by `dspark local up`: the local {what}.\n" + C.dumps(data))
     return path
 
 
-def check_ports_free(ports: LocalPorts) -> None:
+def check_ports_free(ports: LocalPorts, nodes: int = DEFAULT_NODES) -> None:
     wanted = [(HEAD_ADDR, ports.api, "API"), (HEAD_ADDR, ports.master, "rendezvous"),
-              (HEAD_ADDR, ports.agent, "head agent"), (WORKER_ADDR, ports.agent, "worker agent")]
+              (HEAD_ADDR, ports.agent, "head agent")]
+    wanted += [(node_address(r), ports.agent, f"{node_name(r)} agent") for r in range(1, nodes)]
     for host, port, what in wanted:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -139,13 +172,13 @@ def check_ports_free(ports: LocalPorts) -> None:
                 s.bind((host, port))
             except OSError as e:
                 raise LocalError(f"{what} port {host}:{port} is not free ({e.strerror}); "
-                                 f"is another pair running? choose other ports (--api-port, --agent-port, "
+                                 f"is another local appliance running? choose other ports (--api-port, --agent-port, "
                                  f"--master-port)") from None
 
 
 @dataclass
 class Pair:
-    """The two supervisors of a running local appliance."""
+    """The supervisors of a running local appliance, by node name (the head's first)."""
 
     cluster_file: Path
     workdir: Path
@@ -171,9 +204,9 @@ class Pair:
 
     def stop(self, grace_s: float = 40.0) -> None:
         """SIGTERM the supervisors (head first), wait; SIGKILL their groups if they overstay."""
-        for name in (HEAD_NAME, WORKER_NAME):
-            p = self.procs.get(name)
-            if p is not None and p.poll() is None:
+        for name in sorted(self.procs, key=lambda n: n != HEAD_NAME):
+            p = self.procs[name]
+            if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for p in self.procs.values():
@@ -261,17 +294,19 @@ def preflight(cluster: C.Cluster, node: C.NodeConfig, progress: Progress, host=N
 
 
 def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = print,
-       compile: bool = False, on_ready: Callable[[Pair], None] | None = None, check_host=None) -> int:
-    """Bring the pair up, report, and supervise until Ctrl-C / SIGTERM; always stop both.
-    Each node is checked (`dspark check`) right before it starts; `check_host`: where the
+       compile: bool = False, on_ready: Callable[[Pair], None] | None = None, check_host=None,
+       nodes: int = DEFAULT_NODES) -> int:
+    """Bring the appliance up, report, and supervise until Ctrl-C / SIGTERM; always stop every
+    node. Each node is checked (`dspark check`) right before it starts; `check_host`: where the
     checks look (dspark.preflight.Host; default this machine)."""
-    check_ports_free(ports)
-    cluster_file = prepare(workdir, ports, compile)
+    check_nodes(nodes)
+    check_ports_free(ports, nodes)
+    cluster_file = prepare(workdir, ports, compile, nodes)
     cluster = C.load(cluster_file)
-    head, worker = cluster.head, cluster.workers[0]
+    head, workers = cluster.head, cluster.workers
     pair = Pair(cluster_file, workdir.resolve())
     # A fresh appliance: no restart count or failure history carried over from earlier runs.
-    for node in (head, worker):
+    for node in cluster.nodes:
         for name in ("starts", "failures.json"):
             (pair.workdir / "state" / node.name / name).unlink(missing_ok=True)
     stop = {"sig": None}
@@ -279,24 +314,33 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
     def on_signal(signum, frame):
         stop["sig"] = signum
 
+    def stopping() -> bool:
+        return stop["sig"] is not None
+
+    everyone = "both nodes" if nodes == 2 else f"all {nodes} nodes"
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
     try:
         progress(f"dspark local: cluster {cluster_file}; [times] are seconds since local up started")
-        progress(f"checking the worker (rank 1, {worker.address})")
-        preflight(cluster, worker, progress, check_host)
-        progress(f"starting the worker (rank 1, {worker.address}); logs in {pair.workdir / 'logs'}")
-        pair.spawn(worker.name)
-        wait_state(pair, worker, (A.RENDEZVOUS, A.SERVING), 600, progress, lambda: stop["sig"] is not None, t0)
-        # The head is checked once the worker runs: its check compares the two nodes' cluster
-        # file, model, runtime and clocks through the worker's agent.
+        for w in workers:
+            progress(f"checking {w.name} (rank {w.rank}, {w.address})")
+            preflight(cluster, w, progress, check_host)
+            progress(f"starting {w.name} (rank {w.rank}, {w.address}); logs in {pair.workdir / 'logs'}")
+            pair.spawn(w.name)
+        for w in workers:
+            others = tuple(o for o in workers if o is not w)
+            wait_state(pair, w, (A.RENDEZVOUS, A.SERVING), 600, progress, stopping, t0, watch=others)
+        # The head is checked once the workers run: its check compares the nodes' cluster
+        # file, model, runtime and clocks through the workers' agents.
         preflight(cluster, head, progress, check_host)
         progress(f"starting the head (rank 0, {head.address})")
         pair.spawn(head.name)
-        wait_state(pair, head, (A.SERVING,), cluster.supervisor.ready_timeout_s, progress,
-                   lambda: stop["sig"] is not None, t0, watch=(worker,))
-        # The worker follows its head into serving within a poll (about a second).
-        wait_state(pair, worker, (A.SERVING,), 30, progress, lambda: stop["sig"] is not None, t0, watch=(head,))
+        wait_state(pair, head, (A.SERVING,), cluster.supervisor.ready_timeout_s, progress, stopping, t0,
+                   watch=tuple(workers))
+        # The workers follow their head into serving within a poll (about a second).
+        for w in workers:
+            wait_state(pair, w, (A.SERVING,), 30, progress, stopping, t0,
+                       watch=(head, *(o for o in workers if o is not w)))
         elapsed = time.monotonic() - t0
         progress("")
         progress(f"serving after {elapsed:.0f} s: {head.api_url}/v1  (model {SERVED_NAME!r}, token-id prompts)")
@@ -307,7 +351,7 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
                  "with \"text\" empty; a text prompt gets HTTP 400 'Tokenizer not available', and "
                  "/v1/chat/completions HTTP 500 with an empty message)")
         progress(f"  {cli_command()} status --config {cluster_file}")
-        progress("Ctrl-C stops both nodes.")
+        progress(f"Ctrl-C stops {everyone}.")
         if on_ready:
             on_ready(pair)
         while stop["sig"] is None:
@@ -316,10 +360,10 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
                     raise LocalError(f"{name}'s supervisor exited with code {p.returncode}; see "
                                      f"{pair.workdir / 'logs' / (name + '.log')}")
             time.sleep(0.5)
-        progress("stopping both nodes ...")
+        progress(f"stopping {everyone} ...")
         return 0
     except KeyboardInterrupt:
-        progress("stopping both nodes ...")
+        progress(f"stopping {everyone} ...")
         return 130
     finally:
         pair.stop()

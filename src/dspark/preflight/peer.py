@@ -267,6 +267,9 @@ def check_peers(cluster: Cluster, node: NodeConfig, mine: dict, starting: bool =
             if starting and peer.is_head and not node.is_head:
                 out.append(ok(name, f"the head's agent ({peer.agent_url}) is not up: it starts after the workers and "
                               "compares itself with them then"))
+            elif starting and not peer.is_head and not node.is_head:
+                out.append(ok(name, f"{peer.name}'s agent ({peer.agent_url}) is not up: workers start in any "
+                              "order, and the head compares itself with each of them when it starts"))
             else:
                 out.append(warn(name, f"{peer.agent_url} does not answer ({answer.error or 'no state'}): cluster "
                                 "file, runtime, model and clock not compared", f"start {peer.name} first "
