@@ -10,9 +10,11 @@
 3. `dspark --help` returns in under 0.3 s.
 
 Runs alternate (hand, supervised, hand, supervised, ...) so that load from anything else on
-the machine falls on both alike. Usage:
+the machine falls on both alike. `--nodes 2,4` measures the local appliance at each node count
+(tensor parallel over all of them: the workers first, the head once every worker is in the
+rendezvous) and prints the figures side by side. Usage:
 
-    .venv/bin/python benchmarks/startup.py [--rounds 2] [--json OUT]
+    .venv/bin/python benchmarks/startup.py [--rounds 2] [--nodes 2,4] [--json OUT]
 """
 
 from __future__ import annotations
@@ -95,13 +97,14 @@ def kill_group(p: subprocess.Popen, grace: float = 20) -> None:
     p.wait()
 
 
-def by_hand(workdir: Path) -> float:
-    """The two rendered vLLM commands, started as a person would: worker, then head."""
-    cluster = C.load(L.prepare(workdir, pick_ports()))
+def by_hand(workdir: Path, nodes: int) -> float:
+    """The rendered vLLM commands, started as a person would: each worker (once the one before
+    is in the rendezvous), then the head."""
+    cluster = C.load(L.prepare(workdir, pick_ports(), nodes=nodes))
     procs = []
     try:
         t0 = time.monotonic()
-        for node in (cluster.workers[0], cluster.head):
+        for node in (*cluster.workers, cluster.head):
             launch = render(cluster, node)
             log = open(workdir / f"hand-{node.name}.log", "w")
             procs.append(subprocess.Popen(launch.argv, env={**child_env(dict(os.environ)), **launch.env},
@@ -117,7 +120,7 @@ def by_hand(workdir: Path) -> float:
         api = cluster.head.api_url
         while not (http_ok(api + "/health", timeout=0.5) and completion_ok(api)):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError("hand-started pair never served")
+                raise RuntimeError(f"hand-started {nodes}-node appliance never served")
             time.sleep(0.05)
         return time.monotonic() - t0
     finally:
@@ -125,10 +128,10 @@ def by_hand(workdir: Path) -> float:
             kill_group(p)
 
 
-def supervised(workdir: Path) -> tuple[float, float, float]:
-    """`dspark serve` on both nodes, started together; returns (ready time, READY lag after the
+def supervised(workdir: Path, nodes: int) -> tuple[float, float, float]:
+    """`dspark serve` on every node, started together; returns (ready time, READY lag after the
     first outside completion, READY lag after /health first answered)."""
-    cluster_file = L.prepare(workdir, pick_ports())
+    cluster_file = L.prepare(workdir, pick_ports(), nodes=nodes)
     cluster = C.load(cluster_file)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(workdir / "head.sock"))
@@ -137,7 +140,7 @@ def supervised(workdir: Path) -> tuple[float, float, float]:
     watch = HealthWatch(cluster.head.api_url)
     try:
         t0 = time.monotonic()
-        for node in (cluster.workers[0], cluster.head):
+        for node in (*cluster.workers, cluster.head):
             env = dict(os.environ)
             if node.is_head:
                 env["NOTIFY_SOCKET"] = str(workdir / "head.sock")
@@ -162,7 +165,7 @@ def supervised(workdir: Path) -> tuple[float, float, float]:
                 lag = t_ready - watch.first_completion if watch.first_completion else nan
                 health_lag = t_ready - watch.first_ok if watch.first_ok else nan
                 return t_ready - t0, lag, health_lag
-        raise RuntimeError("supervised pair never ready")
+        raise RuntimeError(f"supervised {nodes}-node appliance never ready")
     finally:
         watch.stop = True
         for p in reversed(procs):
@@ -180,40 +183,62 @@ def help_time(n: int = 10) -> list[float]:
     return times
 
 
+def node_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nodes {text!r}: give node counts such as 2,4") from None
+    bad = [n for n in counts if n not in L.valid_node_counts()]
+    if not counts or bad:
+        raise argparse.ArgumentTypeError(f"--nodes {text!r}: the local appliance runs "
+                                         f"{' or '.join(map(str, L.valid_node_counts()))} nodes")
+    return counts
+
+
+def measure(nodes: int, rounds: int, tmp: Path) -> dict:
+    hand, sup, lag, health_lag = [], [], [], []
+    for i in range(rounds):
+        d = tmp / f"n{nodes}-round{i}"
+        (d / "hand").mkdir(parents=True)
+        (d / "sup").mkdir()
+        hand.append(by_hand(d / "hand", nodes))
+        print(f"{nodes} nodes, round {i + 1}: by hand      ready after {hand[-1]:6.1f} s", flush=True)
+        t, l, h = supervised(d / "sup", nodes)
+        sup.append(t)
+        lag.append(l)
+        health_lag.append(h)
+        print(f"{nodes} nodes, round {i + 1}: supervised   ready after {t:6.1f} s  (READY {l:+.2f} s after vLLM "
+              f"first answered a completion, {h:+.2f} s after /health first 200)", flush=True)
+    return {"nodes": nodes, "hand_ready_s": hand, "supervised_ready_s": sup,
+            "ready_ratio_median": statistics.median(sup) / statistics.median(hand),
+            "ready_after_first_completion_s": lag, "ready_after_health_s": health_lag}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2, help="pairs of runs (hand, supervised)")
+    ap.add_argument("--rounds", type=int, default=2, help="pairs of runs (hand, supervised) per node count")
+    ap.add_argument("--nodes", type=node_counts, default=[2], metavar="N[,N]",
+                    help="node counts to measure, side by side (default 2; e.g. 2,4)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
 
-    hand, sup, lag, health_lag = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="dspark-startup-") as tmp:
-        for i in range(args.rounds):
-            d = Path(tmp) / f"round{i}"
-            (d / "hand").mkdir(parents=True)
-            (d / "sup").mkdir()
-            hand.append(by_hand(d / "hand"))
-            print(f"round {i + 1}: by hand      ready after {hand[-1]:6.1f} s", flush=True)
-            t, l, h = supervised(d / "sup")
-            sup.append(t)
-            lag.append(l)
-            health_lag.append(h)
-            print(f"round {i + 1}: supervised   ready after {t:6.1f} s  (READY {l:+.2f} s after vLLM first "
-                  f"answered a completion, {h:+.2f} s after /health first 200)", flush=True)
+        per_nodes = [measure(n, args.rounds, Path(tmp)) for n in args.nodes]
     helps = help_time()
-    ratio = statistics.median(sup) / statistics.median(hand)
-    figures = {
-        "hand_ready_s": hand, "supervised_ready_s": sup, "ready_ratio_median": ratio,
-        "ready_after_first_completion_s": lag, "ready_after_health_s": health_lag, "help_s": helps, "help_median_s": statistics.median(helps),
-    }
     print()
-    print(f"supervised / by hand (median ready time): {ratio:.3f}   target <= 1.05   "
-          f"{'OK' if ratio <= 1.05 else 'MISSED'}")
-    print(f"READY=1 after vLLM first answered:        max {max(lag):+.2f} s   target <= 1 s   "
-          f"{'OK' if max(lag) <= 1 else 'MISSED'}   (after /health: max {max(health_lag):+.2f} s)")
-    print(f"dspark --help:                            median {statistics.median(helps) * 1000:.0f} ms   "
+    print(f"{'nodes':>5}  {'by hand (median)':>16}  {'supervised (median)':>19}  {'ratio':>6}  "
+          f"{'READY lag (max)':>15}  target")
+    for f in per_nodes:
+        ratio, worst = f["ready_ratio_median"], max(f["ready_after_first_completion_s"])
+        print(f"{f['nodes']:>5}  {statistics.median(f['hand_ready_s']):>14.1f} s  "
+              f"{statistics.median(f['supervised_ready_s']):>17.1f} s  {ratio:>6.3f}  {worst:>+13.2f} s  "
+              f"ratio <= 1.05 {'OK' if ratio <= 1.05 else 'MISSED'}, lag <= 1 s {'OK' if worst <= 1 else 'MISSED'}")
+    worst_health = max(max(f["ready_after_health_s"]) for f in per_nodes)
+    print(f"(READY=1 after /health first answered 200: max {worst_health:+.2f} s)")
+    print(f"dspark --help: median {statistics.median(helps) * 1000:.0f} ms   "
           f"target < 300 ms   {'OK' if statistics.median(helps) < 0.3 else 'MISSED'}")
     if args.json:
+        figures = {"per_nodes": per_nodes, "help_s": helps, "help_median_s": statistics.median(helps)}
         args.json.write_text(json.dumps(figures, indent=2))
     return 0
 

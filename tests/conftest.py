@@ -11,8 +11,8 @@ import pytest
 from pairlib import ARTIFACTS, kill_leftovers, start_pair
 
 
-def _pair_fixture(workdir: Path):
-    pair = start_pair(workdir)
+def _pair_fixture(workdir: Path, nodes: int = 2):
+    pair = start_pair(workdir, nodes=nodes)
     try:
         yield pair
     finally:
@@ -24,6 +24,13 @@ def _pair_fixture(workdir: Path):
 def local_pair(tmp_path_factory):
     """The real two-node pair (vLLM CPU build), shared by every test that only reads it."""
     yield from _pair_fixture(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def local_ring(tmp_path_factory):
+    """The real four-node local appliance (TP=4 over four processes on 127.0.0.1 .. 127.0.0.4),
+    for the module that reads it (its memory is freed before the next module's tests)."""
+    yield from _pair_fixture(tmp_path_factory.mktemp("ring"), nodes=4)
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ def get_json(url: str, timeout: float = 2.0):
         return json.loads(r.read())
 
 
-def pick_ports() -> "LocalPorts":
+def pick_ports(nodes: int = 2) -> "LocalPorts":
     from dspark.local import LocalError, LocalPorts, check_ports_free
 
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
@@ -54,7 +54,7 @@ def pick_ports() -> "LocalPorts":
         base = rng.randrange(21000, 29000, 10)
         ports = LocalPorts(api=base, master=base + 1, agent=base + 2)
         try:
-            check_ports_free(ports)
+            check_ports_free(ports, nodes)
             return ports
         except LocalError:
             continue
@@ -69,6 +69,14 @@ class PairHandle:
     workdir: Path
     ports: "LocalPorts"
     output: Path
+    nodes: int = 2
+
+    @property
+    def names(self) -> list[str]:
+        """Every node's name, by rank (the head's first)."""
+        from dspark.local import node_name
+
+        return [node_name(r) for r in range(self.nodes)]
 
     @property
     def cluster_file(self) -> Path:
@@ -79,8 +87,9 @@ class PairHandle:
         return f"http://127.0.0.1:{self.ports.api}"
 
     def agent_url(self, node: str) -> str:
-        addr = "127.0.0.1" if node == "local-head" else "127.0.0.2"
-        return f"http://{addr}:{self.ports.agent}"
+        from dspark.local import node_address
+
+        return f"http://{node_address(self.names.index(node))}:{self.ports.agent}"
 
     def state(self, node: str) -> dict:
         return get_json(self.agent_url(node) + "/state")
@@ -99,23 +108,23 @@ class PairHandle:
         return self.proc.returncode
 
 
-def start_pair(workdir: Path, timeout: float = 600) -> PairHandle:
-    ports = pick_ports()
+def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2) -> PairHandle:
+    ports = pick_ports(nodes)
     workdir.mkdir(parents=True, exist_ok=True)
     output = workdir / "local-up.out"
     out = open(output, "wb")
     proc = subprocess.Popen(
         dspark_cmd("local", "up", "--dir", str(workdir), "--api-port", str(ports.api),
-                   "--agent-port", str(ports.agent), "--master-port", str(ports.master)),
+                   "--agent-port", str(ports.agent), "--master-port", str(ports.master), "--nodes", str(nodes)),
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     out.close()
-    pair = PairHandle(proc, workdir, ports, output)
+    pair = PairHandle(proc, workdir, ports, output, nodes)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"dspark local up exited with {proc.returncode}:\n{pair.log()}")
-        if "Ctrl-C stops both nodes" in pair.log():
+        if "Ctrl-C stops " in pair.log():
             return pair
         time.sleep(0.5)
     pair.stop()
-    raise RuntimeError(f"local pair not serving after {timeout} s:\n{pair.log()}")
+    raise RuntimeError(f"local {nodes}-node appliance not serving after {timeout} s:\n{pair.log()}")
