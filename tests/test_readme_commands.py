@@ -1,7 +1,8 @@
 """README.md's runnable commands, run as written against the real local pair (issue 15): every
 `sh` block is read; each command that can run on this machine runs (with the pair's own ports
 and directory in place of the defaults), and every other one must be of a kind listed here
-with the reason it cannot, so a new README command cannot go untested unnoticed."""
+with the reason it cannot, so a new README command cannot go untested unnoticed. A `python`
+block is a script the README says to save ("save it as `chat.py`:"); a command runs it."""
 
 from __future__ import annotations
 
@@ -42,9 +43,18 @@ def commands() -> list[str]:
     return out
 
 
+def scripts() -> dict[str, str]:
+    """The README's `python` blocks, by the file name it says to save each as."""
+    text = README.read_text()
+    named = dict((name, code) for name, code in
+                 re.findall(r"save it as `([\w.-]+\.py)`:\n\n```python\n(.*?)```", text, re.S))
+    assert len(named) == len(re.findall(r"```python\n", text)), "a README python block not named a file to save"
+    return named
+
+
 def runnable(cmd: str) -> bool:
     first = cmd.split()[0]
-    if first in ("dspark", ".venv/bin/dspark", "curl"):
+    if first in ("dspark", ".venv/bin/dspark", "curl", ".venv/bin/python"):
         return True
     assert first in NOT_HERE, f"README command of an unknown kind (run it here, or list why not): {cmd}"
     return False
@@ -64,6 +74,10 @@ def as_here(cmd: str, pair, tmp: Path) -> str:
     cmd = cmd.replace(".dspark/local/cluster.toml", str(pair.cluster_file))
     cmd = cmd.replace("http://127.0.0.1:8000", pair.api_url)
     cmd = cmd.replace(" cluster.toml", f" {tmp / 'cluster.toml'}").replace(" results/", f" {tmp / 'results'}/")
+    for name, code in scripts().items():  # the saved script, with this pair's API address
+        if cmd.endswith(f" {name}") or f" {name} " in cmd:
+            (tmp / name).write_text(code.replace("http://127.0.0.1:8000", pair.api_url))
+            cmd = re.sub(rf"(?<= ){re.escape(name)}(?= |$)", str(tmp / name), cmd)
     return cmd
 
 
@@ -72,6 +86,9 @@ def test_every_readme_command_is_run_here_or_says_why_not():
     assert cmds
     ran = [c for c in cmds if runnable(c)]
     assert any(c.startswith("curl ") for c in ran) and any(" status " in c for c in ran)
+    assert "chat.py" in scripts() and "openai.OpenAI(" in scripts()["chat.py"]
+    for name in scripts():  # every script the README gives is run by one of its commands
+        assert any(c.startswith(".venv/bin/python ") and c.split()[-1] == name for c in ran), name
 
 
 def test_readme_commands_run_against_the_local_pair(local_pair, tmp_path):
@@ -104,6 +121,8 @@ def test_readme_commands_run_against_the_local_pair(local_pair, tmp_path):
         if cmd.startswith("curl "):
             ids = json.loads(r.stdout)["choices"][0]["token_ids"]
             assert len(ids) == 8, r.stdout
+        elif cmd.startswith(".venv/bin/python "):  # the chat script: a reply, then a streamed one
+            assert r.returncode == 0 and r.stdout.strip(), (cmd, r.stdout[-2000:], r.stderr[-2000:])
         elif " config check " in cmd:  # the fresh template: every CHANGEME named, nothing passes
             assert r.returncode != 0 and "CHANGEME" in r.stderr and "Traceback" not in r.stderr, r.stderr
             continue

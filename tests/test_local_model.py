@@ -1,0 +1,266 @@
+"""The local appliance's tiny model directory (dspark.local_model), proven through its callers:
+transformers' AutoTokenizer and vLLM's own tokenizer loader read it; and one real `vllm serve`
+(the CPU build, TP=1, the local cluster's other flags) answers text completions, chat
+completions (plain and streamed, through the OpenAI SDK), token-id prompts and
+`vllm bench serve --dataset-name random` on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dspark import config as C
+from dspark import local as L
+from dspark import local_model as M
+from dspark import render as R
+
+VOCAB = M.TINY_MODEL["vocab_size"]
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello, how are you?"}]
+TEXT = "Hello, world! Ünïcödé 日本語 🙂\ttabs\nand  double  spaces; numbers 12345."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    M.write(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def vllm_tokenizer(model_dir):
+    from vllm.tokenizers import get_tokenizer
+
+    return get_tokenizer(str(model_dir))
+
+
+def test_the_directory_holds_the_model_and_its_tokenizer(model_dir):
+    assert sorted(p.name for p in model_dir.iterdir()) == sorted(M.FILES)
+    assert json.loads((model_dir / "config.json").read_text()) == M.TINY_MODEL
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    assert len(tok["model"]["vocab"]) == VOCAB
+    assert {t["content"]: t["id"] for t in tok["added_tokens"]} == {t: i for i, t in enumerate(M.SPECIAL_TOKENS)}
+    assert M.SPECIAL_TOKENS[M.TINY_MODEL["bos_token_id"]] == M.BOS
+    assert M.SPECIAL_TOKENS[M.TINY_MODEL["eos_token_id"]] == M.EOS
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (0, 1)
+
+
+def test_writes_are_byte_identical_and_fast(tmp_path):
+    M.tokenizer_json.cache_clear()
+    t0 = time.perf_counter()
+    M.write(tmp_path / "a")
+    took = time.perf_counter() - t0
+    M.tokenizer_json.cache_clear()
+    M.write(tmp_path / "b")
+    for name in M.FILES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert took < 5, f"write() took {took:.2f} s"
+    # Another process (its own hash seeds, its own thread pool) writes the same bytes.
+    code = f"from dspark import local_model as M; M.write({str(tmp_path / 'c')!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   env={**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONHASHSEED": "12345"})
+    for name in M.FILES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "c" / name).read_bytes(), name
+
+
+def test_write_over_an_old_directory_leaves_equal_files_alone(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(M.TINY_MODEL))  # what local.py wrote before
+    M.write(d)
+    assert json.loads((d / "config.json").read_text()) == M.TINY_MODEL
+    before = {n: (d / n).stat().st_mtime_ns for n in M.FILES}
+    time.sleep(0.01)
+    M.write(d)
+    assert {n: (d / n).stat().st_mtime_ns for n in M.FILES} == before
+    assert sorted(p.name for p in d.iterdir()) == sorted(M.FILES)  # no temporary file left
+
+
+@pytest.mark.parametrize("which", ["hf", "vllm"])
+def test_loaders_read_it_and_text_round_trips(which, request):
+    tok = request.getfixturevalue(f"{which}_tokenizer")
+    assert tok.vocab_size == VOCAB and len(tok) == VOCAB
+    assert (tok.bos_token_id, tok.eos_token_id) == (0, 1)
+    assert sorted(tok.all_special_ids) == list(range(len(M.SPECIAL_TOKENS)))
+    ids = tok.encode(TEXT)
+    assert ids[0] == 0 and 0 not in ids[1:] and max(ids) < VOCAB
+    assert tok.decode(ids, skip_special_tokens=True) == TEXT
+    assert tok.decode(tok.encode(TEXT, add_special_tokens=False)) == TEXT
+    assert len(ids) < len(TEXT.encode())  # merges, not bytes only
+
+
+@pytest.mark.parametrize("which", ["hf", "vllm"])
+def test_every_id_decodes(which, request):
+    tok = request.getfixturevalue(f"{which}_tokenizer")
+    pieces = [tok.decode([i]) for i in range(VOCAB)]
+    assert all(isinstance(p, str) and p for p in pieces)
+    assert pieces[: len(M.SPECIAL_TOKENS)] == list(M.SPECIAL_TOKENS)
+    assert all(tok.decode([i], skip_special_tokens=True) == "" for i in range(len(M.SPECIAL_TOKENS)))
+    tokens = tok.convert_ids_to_tokens(list(range(VOCAB)))
+    assert None not in tokens and len(set(tokens)) == VOCAB
+
+
+@pytest.mark.parametrize("which", ["hf", "vllm"])
+def test_chat_template_renders_a_conversation(which, request):
+    tok = request.getfixturevalue(f"{which}_tokenizer")
+    convo = CHAT + [{"role": "assistant", "content": "Fine."}, {"role": "user", "content": "Bye"}]
+    text = tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
+    assert text == ("<s><|system|>\nYou are terse.</s><|user|>\nHello, how are you?</s>"
+                    "<|assistant|>\nFine.</s><|user|>\nBye</s><|assistant|>\n")
+    assert tok.apply_chat_template(convo, tokenize=False).endswith("Bye</s>")
+    ids = tok.encode(text, add_special_tokens=False)  # how vLLM tokenizes a rendered chat
+    assert ids[:2] == [0, 2] and ids[-2:] == [4, tok.encode("\n", add_special_tokens=False)[0]]
+    assert ids.count(1) == 4 and ids.count(3) == 2 and ids.count(4) == 2
+    with pytest.raises(Exception, match="system, user and assistant"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+# --- one real vLLM server on the written directory ----------------------------------------------
+
+def n_tokens(text: str, add_special_tokens: bool) -> int:
+    from tokenizers import Tokenizer
+
+    return len(Tokenizer.from_str(M.tokenizer_json()).encode(text, add_special_tokens=add_special_tokens).ids)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_server_launch(workdir: Path, port: int) -> R.Launch:
+    """The local cluster's vLLM launch (dspark.local.cluster_dict through dspark.render), with
+    the tokenizer on and one node at TP=1 in place of the pair."""
+    data = L.cluster_dict(workdir, L.LocalPorts(api=port))
+    data["serving"].update(tensor_parallel_size=1, skip_tokenizer_init=False)
+    data["nodes"] = [n for n in data["nodes"] if n["rank"] == 0]
+    cluster = C.from_dict(data)
+    return R.render(cluster, cluster.head)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("server")
+    M.write(workdir / "model")
+    port = free_port()
+    launch = single_server_launch(workdir, port)
+    assert "--skip-tokenizer-init" not in launch.argv and "--load-format" in launch.argv
+    log = workdir / "vllm.log"
+    env = {**os.environ, **launch.env, "HF_HUB_OFFLINE": "1"}  # nothing may be downloaded
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not up after 600 s:\n{log.read_text(errors='replace')[-4000:]}")
+            time.sleep(1)
+        yield {"url": url, "port": port, "model_dir": workdir / "model", "log": log, "env": env}
+    finally:
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)  # vLLM's group: the API server and its engine core
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+                if sig == signal.SIGTERM:
+                    os.killpg(proc.pid, signal.SIGKILL)  # anything of the group still there
+            except subprocess.TimeoutExpired:
+                continue
+            except ProcessLookupError:
+                pass
+            break
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    with openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", timeout=120, max_retries=0) as c:
+        yield c
+
+
+@pytest.mark.pair
+def test_server_text_completion(client):
+    out = client.completions.create(model=L.SERVED_NAME, prompt="The quick brown fox", max_tokens=8,
+                                 extra_body={"ignore_eos": True})
+    assert out.choices[0].text and out.usage.completion_tokens == 8
+    assert out.usage.prompt_tokens == n_tokens("The quick brown fox", add_special_tokens=True)  # bos added
+
+
+@pytest.mark.pair
+def test_server_chat_completion(client):
+    out = client.chat.completions.create(model=L.SERVED_NAME, messages=CHAT, max_tokens=8,
+                                         extra_body={"ignore_eos": True})
+    msg = out.choices[0].message
+    assert msg.role == "assistant" and msg.content and out.usage.completion_tokens >= 1
+    # The prompt is the template's rendering, bos included by the template (not added again).
+    assert out.usage.prompt_tokens == n_tokens(
+        "<s><|system|>\nYou are terse.</s><|user|>\nHello, how are you?</s><|assistant|>\n", add_special_tokens=False)
+
+
+@pytest.mark.pair
+def test_server_chat_completion_streamed(client):
+    stream = client.chat.completions.create(model=L.SERVED_NAME, messages=CHAT, max_tokens=8, stream=True,
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and len(chunks) >= 2
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+@pytest.mark.pair
+def test_server_token_id_prompt(server):
+    body = json.dumps({"model": L.SERVED_NAME, "prompt": [1, 2, 3], "max_tokens": 8,
+                       "return_token_ids": True, "ignore_eos": True}).encode()
+    req = urllib.request.Request(server["url"] + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+    choice = out["choices"][0]
+    assert len(choice["token_ids"]) == 8 and all(0 <= i < VOCAB for i in choice["token_ids"])
+    assert out["usage"]["prompt_tokens"] == 3 and choice["text"]
+
+
+@pytest.mark.pair
+def test_server_vllm_bench_random(server, tmp_path):
+    vllm = L.vllm_command()
+    cmd = [*vllm, "bench", "serve", "--backend", "openai", "--base-url", server["url"],
+           "--model", L.SERVED_NAME, "--tokenizer", str(server["model_dir"]),
+           "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "8",
+           "--num-prompts", "8", "--ignore-eos", "--seed", "14", "--disable-tqdm",
+           "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=server["env"])
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 8 and result["failed"] == 0, result
+    assert result["total_output_tokens"] == 64
+    assert 8 * 28 <= result["total_input_tokens"] <= 8 * 36, result["total_input_tokens"]
