@@ -1,8 +1,11 @@
-# services.dspark: one node of a dspark cluster (DeepSeek V4 Flash on two GB10 nodes, TP=2).
+# services.dspark: one node of a dspark cluster (DeepSeek V4 Flash on GB10 nodes: a pair with
+# TP=2, or a ring of more).
 #
-# Both hosts import this module with the same `settings` (the cluster file) and differ only in
-# `node`. The unit files come from the dspark package (`dspark systemd render`); this module
-# installs them, enables the ones for this host's role and gives them their environment.
+# Every host imports this module with the same `settings` (the cluster file) and differs only
+# in `node`: a host is one node. The unit files come from the dspark package (`dspark systemd
+# render`); this module installs them, enables the ones for this host's role and gives them
+# their environment. The head's dspark-wait-worker reads the cluster file and waits for every
+# worker listed there, so N workers need nothing more than N entries in `settings.nodes`.
 {
   config,
   lib,
@@ -69,11 +72,29 @@ let
   nodes = cfg.settings.nodes;
   names = map (n: n.name) nodes;
   ranks = map (n: n.rank) nodes;
+  nodeCount = lib.length nodes;
+  # Ranks run 0..n-1 without a gap: each one missing below the highest given is named.
+  missingRanks = lib.filter (r: !(lib.elem r ranks)) (
+    lib.range 0 (lib.foldl' lib.max (nodeCount - 1) ranks)
+  );
+  # The parallelism the serving settings ask for, in nodes (the check of src/dspark/config.py).
+  serving = cfg.settings.serving;
+  gpusWanted = serving.tensor_parallel_size * serving.pipeline_parallel_size;
+  nodesWanted = gpusWanted / serving.gpus_per_node;
+  parallelism = "tensor_parallel_size ${toString serving.tensor_parallel_size} x pipeline_parallel_size ${toString serving.pipeline_parallel_size} = ${toString gpusWanted} GPUs";
+  plural = n: word: "${toString n} ${word}${lib.optionalString (n != 1) "s"}";
+  rankList = rs: lib.concatMapStringsSep ", " toString rs;
+  parallelismMessage =
+    if lib.mod gpusWanted serving.gpus_per_node != 0 then
+      "services.dspark.settings.serving: ${parallelism}, which is not a whole number of nodes of gpus_per_node = ${toString serving.gpus_per_node}; make tensor_parallel_size x pipeline_parallel_size = nodes x gpus_per_node."
+    else if nodesWanted > nodeCount then
+      "services.dspark.settings.nodes: ${plural (nodesWanted - nodeCount) "node"} missing: ${parallelism} need ${plural nodesWanted "node"} of gpus_per_node = ${toString serving.gpus_per_node}, and settings.nodes has ${toString nodeCount}; add the nodes of rank ${rankList (lib.range nodeCount (nodesWanted - 1))} (or lower tensor_parallel_size)."
+    else
+      "services.dspark.settings.nodes: ${plural (nodeCount - nodesWanted) "node"} too many: ${parallelism} need ${plural nodesWanted "node"} of gpus_per_node = ${toString serving.gpus_per_node}, and settings.nodes has ${toString nodeCount}; remove the nodes of rank ${rankList (lib.range nodesWanted (nodeCount - 1))} (or raise tensor_parallel_size).";
   byName = lib.listToAttrs (map (n: lib.nameValuePair n.name n) nodes);
   self = byName.${cfg.node} or null;
   known = self != null;
   isHead = known && self.rank == 0;
-  head = lib.findFirst (n: n.rank == 0) null nodes;
   duplicates = xs: lib.unique (lib.filter (x: lib.count (y: y == x) xs > 1) xs);
   inStore = p: lib.hasPrefix "${builtins.storeDir}/" (toString p);
 
@@ -148,6 +169,7 @@ in
             { name = "spark-a"; rank = 0; address = "192.168.100.10"; socket_ifname = "enp1s0f0np0"; }
             { name = "spark-b"; rank = 1; address = "192.168.100.11"; socket_ifname = "enp1s0f0np0"; }
           ];
+          # Four nodes: four entries (ranks 0..3) and serving.tensor_parallel_size = 4.
         }
       '';
       type = types.submodule {
@@ -177,12 +199,29 @@ in
                 defaultText = literalExpression ''[ "''${config.services.dspark.runtimePackage}/bin/vllm" ]'';
                 description = "The command that runs vLLM's CLI (the argv before `serve`).";
               };
+              # Read by the assertions: tensor_parallel_size x pipeline_parallel_size must equal
+              # the nodes' GPUs. Defaults are those of src/dspark/config.py.
+              options.tensor_parallel_size = mkOption {
+                type = types.ints.positive;
+                default = 2;
+                description = "Tensor parallel size: nodes x GPUs per node (2 for a pair of GB10 nodes, 4 for four).";
+              };
+              options.pipeline_parallel_size = mkOption {
+                type = types.ints.positive;
+                default = 1;
+                description = "Pipeline parallel size.";
+              };
+              options.gpus_per_node = mkOption {
+                type = types.ints.positive;
+                default = 1;
+                description = "GPUs on each node (one GB10 per DGX Spark).";
+              };
             };
           };
           nodes = mkOption {
             type = types.listOf (types.submodule nodeModule);
             default = [ ];
-            description = "One entry per node (`[[nodes]]`); rank 0 is the head.";
+            description = "One entry per node (`[[nodes]]`), ranks 0..n-1; rank 0 is the head, every other node a worker the head waits for.";
           };
         };
       };
@@ -212,8 +251,8 @@ in
       type = types.bool;
       default = true;
       description = ''
-        Start this host's unit at boot. The head waits for the worker on its own
-        (`dspark-worker-ready.target`), so both hosts may boot in any order.
+        Start this host's unit at boot. The head waits for every worker on its own
+        (`dspark-worker-ready.target`), so the hosts may boot in any order.
       '';
     };
 
@@ -247,21 +286,24 @@ in
           message = "services.dspark.settings.nodes: the names ${lib.concatStringsSep ", " (duplicates names)} are used more than once.";
         }
         {
-          assertion = lib.sort lib.lessThan ranks == lib.range 0 (lib.length nodes - 1);
-          message = "services.dspark.settings.nodes: ranks must be 0..${toString (lib.length nodes - 1)}, one per node (rank 0 is the head); got ${lib.concatMapStringsSep ", " toString ranks}.";
+          assertion = nodes == [ ] || gpusWanted == nodeCount * serving.gpus_per_node;
+          message = parallelismMessage;
         }
-        {
-          assertion = !isHead || lib.all (n: n.address != null) nodes;
-          message = "services.dspark: this host is the head, but ${lib.concatMapStringsSep ", " (n: "node \"${n.name}\"") (lib.filter (n: n.address == null) nodes)} has no address; the head needs every worker's fabric address.";
-        }
-        {
-          assertion = !known || self.address != null;
-          message = "services.dspark.settings.nodes: this node (\"${cfg.node}\") has no address; set its fabric address.";
-        }
-        {
-          assertion = !known || head == null || head.address != null;
-          message = "services.dspark.settings.nodes: the head (rank 0) has no address; every node needs it for the rendezvous.";
-        }
+      ]
+      # One assertion per problem, each naming its rank or node.
+      ++ map (r: {
+        assertion = false;
+        message = "services.dspark.settings.nodes: rank ${toString r} has no node; ranks run 0..${toString (nodeCount - 1)} without a gap (rank 0 is the head), one per node; got ${rankList ranks}.";
+      }) missingRanks
+      ++ map (r: {
+        assertion = false;
+        message = "services.dspark.settings.nodes: rank ${toString r} is given to more than one node (${lib.concatStringsSep ", " (map (n: n.name) (lib.filter (n: n.rank == r) nodes))}); ranks must be unique.";
+      }) (duplicates ranks)
+      ++ map (n: {
+        assertion = false;
+        message = "services.dspark.settings.nodes: ${if n.rank == 0 then "the head" else "worker"} \"${n.name}\" (rank ${toString n.rank}) has no address; set its fabric address (every node reads the whole file, and the head reaches each worker's agent there).";
+      }) (lib.filter (n: n.address == null) nodes)
+      ++ [
         {
           assertion = cfg.settings.model.path != null;
           message = "services.dspark.settings.model.path is not set: give the model directory (the same path on every node).";
@@ -299,8 +341,8 @@ in
 
     (mkIf isHead {
       systemd.services.dspark-head = mainUnit;
-      # The head's dspark-worker-ready.target requires this oneshot, which waits for the
-      # worker's agent; it reads the same cluster file.
+      # The head's dspark-worker-ready.target requires this oneshot, which waits for every
+      # worker's agent listed in the same cluster file (one host per node: all are remote).
       systemd.services.dspark-wait-worker = {
         environment = unitEnvironment;
         serviceConfig = {

@@ -1,19 +1,24 @@
 """The systemd units of a dspark node: one source for their text (`dspark systemd render`).
 
   dspark-worker.service        a worker (rank >= 1): `dspark serve`, Type=notify
+  dspark-worker@.service       the same, one instance per worker node, named by the node
+                               (dspark-worker@spark-c.service): for a host that runs several
+                               workers (the local 4-node appliance, a box with several GPUs)
   dspark-head.service          the head (rank 0): `dspark serve`, Type=notify;
                                Requires= and After= dspark-worker-ready.target
   dspark-worker-ready.target   reached once dspark-wait-worker.service has succeeded
-  dspark-wait-worker.service   oneshot `dspark wait-worker`: the worker runs on another host,
-                               where systemd ordering cannot reach; its agent's state can
+  dspark-wait-worker.service   oneshot `dspark wait-worker`: every worker's agent in the
+                               rendezvous; workers on other hosts are out of reach of systemd
+                               ordering, their agents are not
   dspark-dashboard.service     `dspark dashboard`, on the head's host
 
 The units name no node and no cluster: `dspark serve` reads DSPARK_NODE and DSPARK_CONFIG
 from its environment. The NixOS module sets them in the units it enables (the package ships
 these texts under lib/systemd/system); on other hosts `dspark systemd install --node NAME`
-writes the units plus a drop-in per node (`node_dropins`). A host that runs both roles (the
-local appliance, a two-GPU box) gets one more drop-in that orders the head directly after
-its own worker.
+writes the units plus a drop-in per node (`node_dropins`). A host runs its one worker as
+dspark-worker.service, and several workers as instances of dspark-worker@.service (each
+with its own state directory). A host that runs the head and some of its workers gets one
+more drop-in that orders the head (and wait-worker) directly after those local workers.
 
 Restart policy. `Restart=on-failure` restarts a node after exit 3 (never ready) or 4 (died,
 lost its pair), a crash or a watchdog timeout; never after exit 2 (refused: a bad cluster
@@ -23,6 +28,17 @@ announced as a STATUS= line), not in RestartSteps=/RestartMaxDelaySec=: those ar
 systemd 254, and DGX OS / Debian 12 run 252, where an unknown key is ignored with a warning
 and the unit would fall back to a fixed delay. One mechanism that works and shows itself in
 `systemctl status` on every host beats two that differ.
+
+How a ring of N nodes comes back after one of them dies. Every unit restarts on its own
+(Restart=on-failure) and the supervisors put the restarts in order: the node whose vLLM died
+exits 4; the head sees it (a failed liveness probe, or that worker's agent restarted or gone)
+and exits 4; every other worker sees its head leave and exits 4; each comes back, the workers
+into the rendezvous, and the head's supervisor starts vLLM only once every worker's agent
+reports the rendezvous. No BindsTo= or PartOf= between the node units, on purpose: systemd
+orders only jobs queued together, not one unit's automatic restart against another's, and
+BindsTo= would turn a worker's failure into a clean stop of the head, which Restart=on-failure
+never restarts; the head would stay down. The local-nodes drop-in's Wants=/After= only make
+`systemctl start dspark-head` start this host's workers first.
 """
 
 from __future__ import annotations
@@ -40,17 +56,22 @@ from .cli_options import config_option
 
 HEAD = "dspark-head.service"
 WORKER = "dspark-worker.service"
+WORKER_TEMPLATE = "dspark-worker@.service"
 READY_TARGET = "dspark-worker-ready.target"
 WAIT_WORKER = "dspark-wait-worker.service"
 DASHBOARD = "dspark-dashboard.service"
-UNIT_NAMES = (WORKER, HEAD, READY_TARGET, WAIT_WORKER, DASHBOARD)
+UNIT_NAMES = (WORKER, WORKER_TEMPLATE, HEAD, READY_TARGET, WAIT_WORKER, DASHBOARD)
 
 USER = "dspark"
 DEFAULT_CONFIG = "/etc/dspark/cluster.toml"
 SYSTEM_UNIT_DIR = "etc/systemd/system"
 SYSUSERS_FILE = "etc/sysusers.d/dspark.conf"
 NODE_DROPIN = "50-dspark-node.conf"
+# Named for the local pair it began with; written on every host that runs several nodes.
 LOCAL_PAIR_DROPIN = "60-dspark-local-pair.conf"
+# Characters a node name may have to name a dspark-worker@ instance as it is, and to be its
+# state directory: a unit name's own, less the backslash of systemd's escapes.
+INSTANCE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:_.-")
 
 # WATCHDOG=1 goes out every WatchdogSec/2, and on the head only while a liveness round found
 # the engine alive (its counters moving while busy, a 1-token completion while idle: see
@@ -176,27 +197,41 @@ def _common_hardening(devices: bool) -> list[str]:
     return lines
 
 
-def node_service(role: str, dspark_bin: str) -> str:
-    """dspark-head.service or dspark-worker.service."""
+def node_service(role: str, dspark_bin: str, template: bool = False) -> str:
+    """dspark-head.service, dspark-worker.service, or (a worker, `template`) the template
+    dspark-worker@.service whose instance name is the worker's node name."""
     head = role == "head"
     unit = [
-        f"Description=dspark {role} node ({'rank 0, serves the API' if head else 'rank >= 1, headless'}):"
-        " vLLM under the dspark supervisor",
+        f"Description=dspark {role} node ({'rank 0, serves the API' if head else 'rank >= 1, headless'}"
+        f"{' %i' if template else ''}): vLLM under the dspark supervisor",
         "After=network-online.target" + (f" {READY_TARGET}" if head else ""),
         "Wants=network-online.target",
     ]
     if head:
         unit += [
-            "# The worker runs on another host: this target is reached once `dspark wait-worker`",
-            "# sees its agent in the rendezvous (bounded by worker_wait_timeout_s). After a",
-            "# restart the supervisor itself waits for the worker again before starting vLLM.",
+            "# The workers run on other hosts: this target is reached once `dspark wait-worker`",
+            "# sees every worker's agent in the rendezvous (bounded by worker_wait_timeout_s).",
+            "# After a restart the supervisor itself waits for all of them again before vLLM.",
             f"Requires={READY_TARGET}",
         ]
     unit += [
         f"StartLimitIntervalSec={START_LIMIT[0]}",
         f"StartLimitBurst={START_LIMIT[1]}",
     ]
-    state = f"%S/dspark/{role}"
+    # Each instance of the template keeps its own failure history and start count.
+    state_name = f"{role}-%i" if template else role
+    state = f"%S/dspark/{state_name}"
+    if template:
+        node_env = [
+            "Environment=DSPARK_NODE=%i",
+            "# The instance name is the node's name (dspark-worker@spark-c: node spark-c); the",
+            "# drop-in `dspark systemd install` writes per instance states it once more, exactly.",
+        ]
+    else:
+        node_env = [
+            "# DSPARK_NODE (this node's name; default: the host name) comes from the NixOS module",
+            "# or the drop-in `dspark systemd install --node NAME` writes.",
+        ]
     service = [
         "Type=notify",
         "# The supervisor is the only sender (vLLM, its child, never sees NOTIFY_SOCKET).",
@@ -206,9 +241,8 @@ def node_service(role: str, dspark_bin: str) -> str:
         "# of the journal, shown by `systemctl status`; warnings are logged.",
         f"ExecStart={exec_path(dspark_bin)} serve --check --state-dir {state}",
         f"Environment=DSPARK_CONFIG={DEFAULT_CONFIG}",
-        "# DSPARK_NODE (this node's name; default: the host name) comes from the NixOS module",
-        "# or the drop-in `dspark systemd install --node NAME` writes.",
-        f"SyslogIdentifier=dspark-{role}",
+        *node_env,
+        f"SyslogIdentifier={'dspark-%i' if template else f'dspark-{role}'}",
         "",
         "# Timeouts: the supervisor sends EXTEND_TIMEOUT_USEC while the model loads, and",
         "# WATCHDOG=1 only while the node is truly alive (the head: real completions).",
@@ -219,7 +253,8 @@ def node_service(role: str, dspark_bin: str) -> str:
         "# Restarts: exit 3 (never ready), 4 (died or lost its pair), crashes and watchdog",
         "# timeouts; never exit 2 (refused: bad cluster file or memory plan). The delay grows",
         "# inside the supervisor (0, 5, 10 ... 300 s, shown as STATUS=): RestartSteps= needs",
-        "# systemd >= 254, DGX OS has 252.",
+        "# systemd >= 254, DGX OS has 252. Each node restarts on its own; the supervisors",
+        "# re-form the ring workers first (see dspark.units).",
         "Restart=on-failure",
         f"RestartSec={RESTART_SEC}s",
         "RestartPreventExitStatus=2",
@@ -231,7 +266,7 @@ def node_service(role: str, dspark_bin: str) -> str:
         "",
         f"User={USER}",
         f"Group={USER}",
-        f"StateDirectory=dspark dspark/{role}",
+        f"StateDirectory=dspark dspark/{state_name}",
         "CacheDirectory=dspark",
         "Environment=HOME=%S/dspark",
         *[f"Environment={k}={v}" for k, v in CACHE_ENV],
@@ -244,14 +279,18 @@ def node_service(role: str, dspark_bin: str) -> str:
         "",
         *_common_hardening(devices=True),
     ]
+    if template:
+        what = f"{WORKER_TEMPLATE}: one of this host's worker nodes of a dspark cluster (instance: the node's name)."
+    else:
+        what = f"dspark-{role}.service: this host's {role} node of a dspark cluster."
     return _unit(_section("Unit", unit), _section("Service", service),
                  _section("Install", ["WantedBy=multi-user.target"]),
-                 header=_header(f"dspark-{role}.service: this host's {role} node of a dspark cluster."))
+                 header=_header(what))
 
 
 def ready_target() -> str:
     unit = [
-        "Description=dspark: the worker node is in the rendezvous",
+        "Description=dspark: every worker node is in the rendezvous",
         f"Requires={WAIT_WORKER}",
         f"After={WAIT_WORKER}",
         "# Re-checked on the next start of the head once nothing needs it.",
@@ -262,7 +301,7 @@ def ready_target() -> str:
 
 def wait_worker_service(dspark_bin: str) -> str:
     unit = [
-        "Description=dspark: wait until the worker node is in the rendezvous",
+        "Description=dspark: wait until every worker node is in the rendezvous",
         "After=network-online.target",
         "Wants=network-online.target",
         "StopWhenUnneeded=yes",
@@ -313,6 +352,7 @@ def render_units(dspark_bin: str) -> dict[str, str]:
     """File name -> text of every unit, for a dspark executable at `dspark_bin`."""
     return {
         WORKER: node_service("worker", dspark_bin),
+        WORKER_TEMPLATE: node_service("worker", dspark_bin, template=True),
         HEAD: node_service("head", dspark_bin),
         READY_TARGET: ready_target(),
         WAIT_WORKER: wait_worker_service(dspark_bin),
@@ -326,39 +366,66 @@ class NodeRole:
     is_head: bool
 
 
+def worker_instance(name: str) -> str:
+    """dspark-worker@NAME.service: the instance of the template that runs worker node NAME."""
+    if not name or not set(name) <= INSTANCE_CHARS:
+        bad = "".join(sorted(set(name) - INSTANCE_CHARS)) or "an empty name"
+        raise ValueError(f"node {name!r} cannot name a {WORKER_TEMPLATE} instance ({bad!r} is not allowed): "
+                         "a host running several workers names each unit and state directory by its node; "
+                         "use letters, digits and - _ . : in the node names")
+    return WORKER_TEMPLATE.replace("@", f"@{name}")
+
+
+def node_units(nodes: list[NodeRole]) -> dict[str, str]:
+    """Node name -> the unit that runs it on this host: the head's, dspark-worker.service for
+    a host's one worker, an instance of dspark-worker@.service each for several."""
+    workers = [n for n in nodes if not n.is_head]
+    return {n.name: HEAD if n.is_head else WORKER if len(workers) == 1 else worker_instance(n.name)
+            for n in nodes}
+
+
 def node_dropins(nodes: list[NodeRole], config_path: str = DEFAULT_CONFIG) -> dict[str, str]:
     """Relative path -> text of the drop-ins for the nodes this host runs.
 
     Each node's unit gets its DSPARK_NODE and DSPARK_CONFIG; the head's helpers get the
-    cluster file; a host running a head and a worker orders the head after its own worker
-    (systemd ordering works within a host)."""
+    cluster file; a host running the head and some of its workers orders the head (and
+    wait-worker) after every one of them (systemd ordering works within a host)."""
     heads = [n for n in nodes if n.is_head]
     workers = [n for n in nodes if not n.is_head]
-    if len(heads) > 1 or len(workers) > 1:
-        raise ValueError("a host runs at most one head and one worker (the units are per role)")
+    if len(heads) > 1:
+        raise ValueError("a cluster has one head (rank 0): " + ", ".join(n.name for n in heads) + " are all heads")
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise ValueError("each node once: " + ", ".join(sorted({x for x in names if names.count(x) > 1}))
+                         + " given more than once")
+    units = node_units(nodes)
     env = _environment("DSPARK_CONFIG", config_path)
     out: dict[str, str] = {}
     for n in nodes:
-        unit = HEAD if n.is_head else WORKER
-        out[f"{unit}.d/{NODE_DROPIN}"] = (
+        out[f"{units[n.name]}.d/{NODE_DROPIN}"] = (
             f"# Written by `dspark systemd install`: this host runs node {n.name!r}.\n"
             + _section("Service", [_environment("DSPARK_NODE", n.name), env]))
     if heads:
         for unit in (WAIT_WORKER, DASHBOARD):
             out[f"{unit}.d/{NODE_DROPIN}"] = ("# Written by `dspark systemd install`: the cluster file.\n"
                                               + _section("Service", [env]))
-    if heads and workers:
-        order = [f"Wants={WORKER}", f"After={WORKER}"]
-        why = ("# Written by `dspark systemd install`: this host runs both roles, so systemd orders\n"
-               "# the head's side directly after the local worker (READY=1: in the rendezvous).\n")
-        # Both vLLMs see one /dev/shm, so vLLM treats them as one node and also talks over
+    if len(nodes) > 1:
+        local = [units[w.name] for w in workers]
+        why = ("# Written by `dspark systemd install`: this host runs several nodes ("
+               + ", ".join(names) + ").\n")
+        # Their vLLMs see one /dev/shm, so vLLM treats them as one node and also talks over
         # IPC sockets in /tmp: a private /tmp per unit would hang the rendezvous. They share
         # the host's /tmp instead (still writable under ProtectSystem=strict).
-        shared_tmp = ["# Both roles on one host: vLLM's IPC sockets in /tmp must be shared (one /dev/shm).",
+        shared_tmp = ["# Several nodes on one host: vLLM's IPC sockets in /tmp must be shared (one /dev/shm).",
                       "PrivateTmp=no", "ReadWritePaths=/tmp /var/tmp"]
-        out[f"{HEAD}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", order) + "\n" + _section("Service", shared_tmp)
-        out[f"{WORKER}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Service", shared_tmp)
-        out[f"{WAIT_WORKER}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", [f"After={WORKER}"])
+        for w in workers:
+            out[f"{units[w.name]}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Service", shared_tmp)
+        if heads:
+            order = ["# `systemctl start dspark-head` starts this host's workers first (READY=1: in the",
+                     "# rendezvous); workers on other hosts are waited for by dspark-wait-worker.",
+                     "Wants=" + " ".join(local), "After=" + " ".join(local)]
+            out[f"{HEAD}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", order) + "\n" + _section("Service", shared_tmp)
+            out[f"{WAIT_WORKER}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", ["After=" + " ".join(local)])
     return out
 
 
@@ -454,7 +521,7 @@ def _bin(dspark_bin: str | None) -> str:
 
 @click.group("systemd")
 def cli() -> None:
-    """Render and install the systemd units (dspark-head, dspark-worker and their helpers)."""
+    """Render and install the systemd units (dspark-head, dspark-worker[@NODE] and their helpers)."""
 
 
 CONFIG_OPT = config_option(also="The units read this file (DSPARK_CONFIG in their drop-ins).")
@@ -463,7 +530,7 @@ BIN_OPT = click.option("--dspark-bin", help="Path of the dspark executable in Ex
 
 @cli.command("render")
 @click.option("--node", "-n", "nodes", multiple=True,
-              help="Also render this node's drop-ins (reads the cluster file; repeat for a host running both roles).")
+              help="Also render this node's drop-ins (reads the cluster file; repeat for a host running several nodes).")
 @CONFIG_OPT
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Write the files into this directory instead of printing them.")
@@ -486,15 +553,16 @@ def render_cmd(nodes: tuple[str, ...], config_path: Path | None, out: Path | Non
 
 @cli.command("install")
 @click.option("--node", "-n", "nodes", multiple=True, required=True,
-              help="The node this host runs (repeat for a host running both roles).")
+              help="The node this host runs (repeat for a host running several nodes).")
 @CONFIG_OPT
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("/"), show_default=True,
               help="Install under this root (then nothing is reloaded).")
 @BIN_OPT
 def install_cmd(nodes: tuple[str, ...], config_path: Path | None, root: Path, dspark_bin: str | None) -> None:
     """Write the units to /etc/systemd/system with this host's drop-ins, create the dspark
-    user (systemd-sysusers) and reload systemd. Then: systemctl start dspark-worker (rank 1)
-    or dspark-head (rank 0); `systemctl enable` them to start at boot."""
+    user (systemd-sysusers) and reload systemd. Then: systemctl start dspark-worker (a worker;
+    dspark-worker@NODE for each of several workers on one host) or dspark-head (rank 0);
+    `systemctl enable` them to start at boot."""
     roles = _roles(config_path, nodes)
     try:
         written, commands = install(roles, _config_file(config_path), _bin(dspark_bin), root)
@@ -508,5 +576,7 @@ def install_cmd(nodes: tuple[str, ...], config_path: Path | None, root: Path, ds
         click.echo("ran " + " ".join(cmd))
     if not systemd_running(root):
         click.echo("systemd is not running here (or --root was given): nothing reloaded")
-    units = " ".join(sorted({HEAD if r.is_head else WORKER for r in roles}, reverse=True))
-    click.echo(f"next: systemctl start {units}   (enable them to start at boot)")
+    units = node_units(roles)
+    # Workers first: the head waits for them (and starts this host's own on its own).
+    order = " ".join(units[r.name] for r in sorted(roles, key=lambda r: r.is_head))
+    click.echo(f"next: systemctl start {order}   (enable them to start at boot)")

@@ -176,16 +176,22 @@ def test_assertion_unknown_node(evaluate):
 def test_assertion_head_without_the_workers_address(evaluate):
     s = settings()
     del s["nodes"][1]["address"]
-    msgs = failed(evaluate, host("spark-a", settings=s))
-    assert msgs == ['services.dspark: this host is the head, but node "spark-b" has no address; '
-                    "the head needs every worker's fabric address."]
+    for node in ("spark-a", "spark-b"):  # every node reads the whole file: refused on each host
+        msgs = failed(evaluate, host(node, settings=s))
+        assert msgs == ['services.dspark.settings.nodes: worker "spark-b" (rank 1) has no address; set its '
+                        "fabric address (every node reads the whole file, and the head reaches each worker's "
+                        "agent there)."], node
 
 
 def test_assertion_ranks(evaluate):
     s = settings()
     s["nodes"][1]["rank"] = 0
-    (msg,) = failed(evaluate, host("spark-b", settings=s))
-    assert "ranks must be 0..1" in msg and "got 0, 0" in msg
+    msgs = failed(evaluate, host("spark-b", settings=s))
+    assert sorted(msgs) == sorted([
+        "services.dspark.settings.nodes: rank 1 has no node; ranks run 0..1 without a gap (rank 0 is the head), "
+        "one per node; got 0, 0.",
+        "services.dspark.settings.nodes: rank 0 is given to more than one node (spark-a, spark-b); "
+        "ranks must be unique."])
 
 
 def test_assertion_duplicate_names(evaluate):
@@ -229,3 +235,105 @@ def test_type_errors(evaluate, raw, where):
     assert f"services.dspark.{where}" in text or f".{where}'" in text
     # Wording of nixpkgs.lib: a wrong type, or a required field left out (older and newer lib).
     assert any(s in text for s in ("is not of type", "used but not defined", "has no value defined"))
+
+
+# ------------------------------------------------------------------ a ring of four nodes
+RING = ("spark-a", "spark-b", "spark-c", "spark-d")
+
+
+def ring(**serving) -> dict:
+    """Four GB10 nodes with tensor parallelism 4: one host per node."""
+    nodes = [{"name": name, "rank": rank, "address": f"192.168.100.{10 + rank}", "socket_ifname": "enp1s0f0np0"}
+             for rank, name in enumerate(RING)]
+    return settings(serving={"max_model_len": 262144, "tensor_parallel_size": 4, **serving}, nodes=nodes)
+
+
+def without(s: dict, *names: str) -> dict:
+    s["nodes"] = [n for n in s["nodes"] if n["name"] not in names]
+    return s
+
+
+@pytest.mark.parametrize("node", RING)
+def test_a_ring_of_four_evaluates_for_the_head_and_each_worker(evaluate, node):
+    out = evaluate(host(node, settings=ring()))
+    assert out["failedAssertions"] == []
+    env = {"DSPARK_NODE": node, "DSPARK_CONFIG": "/etc/dspark/cluster.toml"}
+    if node == "spark-a":
+        # The head's wait-worker reads the file that lists every worker, and waits for all of them.
+        assert sorted(out["services"]) == ["dspark-head", "dspark-wait-worker"]
+        assert out["services"]["dspark-wait-worker"]["environment"] == env
+    else:
+        assert sorted(out["services"]) == ["dspark-worker"]  # a host is one node: the one-worker unit
+    main = out["services"]["dspark-head" if node == "spark-a" else "dspark-worker"]
+    assert main["environment"] == env and main["wantedBy"] == ["multi-user.target"]
+    data = out["etc"]["dspark/cluster.toml"]["value"]
+    cluster = dspark_config.from_dict(data, "cluster.toml")  # dspark's own validator accepts it
+    assert [w.name for w in cluster.workers] == ["spark-b", "spark-c", "spark-d"]
+    assert (cluster.serving.tensor_parallel_size, cluster.serving.pipeline_parallel_size,
+            cluster.serving.gpus_per_node) == (4, 1, 1)
+
+
+def test_parallelism_defaults_are_those_of_the_cluster_file_schema(evaluate):
+    data = evaluate(host("spark-a"))["etc"]["dspark/cluster.toml"]["value"]
+    defaults = {f.name: f.default for f in dataclasses.fields(dspark_config.ServingConfig)}
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "gpus_per_node"):
+        assert data["serving"][key] == defaults[key], key
+
+
+def test_assertion_a_rank_with_no_node(evaluate):
+    s = ring()
+    s["nodes"][2]["rank"] = 4  # spark-c: ranks 0, 1, 4, 3
+    for node in ("spark-a", "spark-d"):
+        msgs = failed(evaluate, host(node, settings=s))
+        assert msgs == ["services.dspark.settings.nodes: rank 2 has no node; ranks run 0..3 without a gap "
+                        "(rank 0 is the head), one per node; got 0, 1, 4, 3."], node
+
+
+def test_assertion_a_ring_with_two_nodes_missing(evaluate):
+    s = without(ring(), "spark-c", "spark-d")
+    msgs = failed(evaluate, host("spark-a", settings=s))
+    assert msgs == ["services.dspark.settings.nodes: 2 nodes missing: tensor_parallel_size 4 x "
+                    "pipeline_parallel_size 1 = 4 GPUs need 4 nodes of gpus_per_node = 1, and settings.nodes has 2; "
+                    "add the nodes of rank 2, 3 (or lower tensor_parallel_size)."]
+    data = evaluate(host("spark-a", settings=s))["etc"]["dspark/cluster.toml"]["value"]
+    with pytest.raises(dspark_config.ConfigError, match="tensor_parallel_size"):
+        dspark_config.from_dict(data, "cluster.toml")  # what dspark itself would refuse on start
+
+
+def test_assertion_one_node_missing_is_one_node(evaluate):
+    s = without(ring(), "spark-d")
+    (msg,) = failed(evaluate, host("spark-b", settings=s))
+    assert msg.startswith("services.dspark.settings.nodes: 1 node missing: ") and "add the nodes of rank 3 " in msg
+
+
+def test_assertion_nodes_too_many(evaluate):
+    (msg,) = failed(evaluate, host("spark-d", settings=ring(tensor_parallel_size=2)))
+    assert msg.startswith("services.dspark.settings.nodes: 2 nodes too many: tensor_parallel_size 2 x "
+                          "pipeline_parallel_size 1 = 2 GPUs need 2 nodes")
+    assert "remove the nodes of rank 2, 3" in msg
+
+
+def test_assertion_parallelism_not_a_whole_number_of_nodes(evaluate):
+    (msg,) = failed(evaluate, host("spark-a", settings=ring(gpus_per_node=3)))
+    assert "= 4 GPUs, which is not a whole number of nodes of gpus_per_node = 3" in msg
+
+
+def test_assertion_a_worker_of_the_ring_without_an_address(evaluate):
+    s = ring()
+    del s["nodes"][2]["address"]
+    for node in RING:
+        msgs = failed(evaluate, host(node, settings=s))
+        assert msgs == ['services.dspark.settings.nodes: worker "spark-c" (rank 2) has no address; set its fabric '
+                        "address (every node reads the whole file, and the head reaches each worker's agent "
+                        "there)."], node
+
+
+def test_assertion_two_workers_with_one_rank(evaluate):
+    s = ring()
+    s["nodes"][3]["rank"] = 2  # spark-c and spark-d
+    msgs = failed(evaluate, host("spark-a", settings=s))
+    assert sorted(msgs) == sorted([
+        "services.dspark.settings.nodes: rank 3 has no node; ranks run 0..3 without a gap (rank 0 is the head), "
+        "one per node; got 0, 1, 2, 2.",
+        "services.dspark.settings.nodes: rank 2 is given to more than one node (spark-c, spark-d); "
+        "ranks must be unique."])

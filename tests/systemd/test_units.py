@@ -3,6 +3,7 @@ rejects broken ones), `dspark systemd render/install`, and the NixOS module's un
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -187,3 +188,100 @@ def test_the_nixos_module_names_only_rendered_units():
     # The module renders nothing itself: the package's units come from `dspark systemd render`.
     package = (ROOT / "nix" / "package.nix").read_text()
     assert "systemd render --out" in package and "systemd.packages = [ cfg.package ]" in text
+
+
+# ------------------------------------------------------------------ several workers on one host
+RING = ("local-head", "local-worker", "local-worker-2", "local-worker-3")
+RING_WORKERS = tuple(f"dspark-worker@{n}.service" for n in RING[1:])
+
+
+@pytest.fixture
+def ring_file(tmp_path) -> Path:
+    return prepare(tmp_path / "ring", LocalPorts(api=28010, master=28011, agent=28012), nodes=4)
+
+
+def install_ring(tmp_path: Path, ring_file: Path, *names: str) -> tuple[Path, subprocess.CompletedProcess]:
+    root = tmp_path / "root"
+    args = [a for n in names for a in ("--node", n)]
+    r = dspark("systemd", "install", "--root", str(root), *args, "--config", str(ring_file),
+               "--dspark-bin", DSPARK_BIN)
+    return root / U.SYSTEM_UNIT_DIR, r
+
+
+def test_the_worker_template_is_the_worker_unit_per_instance():
+    units = U.render_units(DSPARK_BIN)
+    plain, template = settings(units[U.WORKER]), settings(units[U.WORKER_TEMPLATE])
+    # Its own state directory per instance (failure history, start count), the node from the name.
+    assert template["ExecStart"] == [f"{DSPARK_BIN} serve --check --state-dir %S/dspark/worker-%i"]
+    assert template["StateDirectory"] == ["dspark dspark/worker-%i"]
+    assert "DSPARK_NODE=%i" in template["Environment"]
+    # Everything else is the one-worker unit's, restart policy and hardening included.
+    differ = {"ExecStart", "StateDirectory", "Environment", "Description", "SyslogIdentifier"}
+    assert {k: v for k, v in template.items() if k not in differ} == {k: v for k, v in plain.items() if k not in differ}
+    assert [e for e in template["Environment"] if e != "DSPARK_NODE=%i"] == plain["Environment"]
+    # No systemd binding between node units: a worker's failure must not turn into a clean stop of the head.
+    for text in units.values():
+        assert not {"BindsTo", "PartOf"} & set(settings(text))
+
+
+def test_install_of_a_ring_host_runs_each_worker_as_an_instance(tmp_path, ring_file):
+    unit_dir, r = install_ring(tmp_path, ring_file, *RING)
+    assert r.returncode == 0, r.stderr
+    # The hint starts the workers first, then the head.
+    assert r.stdout.splitlines()[-1].startswith("next: systemctl start " + " ".join(RING_WORKERS) + " dspark-head.service")
+    for name, unit in zip(RING[1:], RING_WORKERS):
+        node = settings((unit_dir / f"{unit}.d" / U.NODE_DROPIN).read_text())
+        assert node["Environment"] == [f"DSPARK_NODE={name}", f"DSPARK_CONFIG={ring_file}"]
+        assert settings((unit_dir / f"{unit}.d" / U.LOCAL_PAIR_DROPIN).read_text()) == {
+            "PrivateTmp": ["no"], "ReadWritePaths": ["/tmp /var/tmp"]}
+    assert not (unit_dir / f"{U.WORKER}.d").exists()  # the one-worker unit is not used here
+    head = settings((unit_dir / f"{U.HEAD}.d" / U.LOCAL_PAIR_DROPIN).read_text())
+    assert head["Wants"] == [" ".join(RING_WORKERS)] and head["After"] == [" ".join(RING_WORKERS)]
+    wait = settings((unit_dir / f"{U.WAIT_WORKER}.d" / U.LOCAL_PAIR_DROPIN).read_text())
+    assert wait == {"After": [" ".join(RING_WORKERS)]}
+
+
+@needs_analyze
+def test_an_installed_ring_passes_verify_with_its_drop_ins(tmp_path, ring_file):
+    unit_dir, r = install_ring(tmp_path, ring_file, *RING)
+    assert r.returncode == 0, r.stderr
+    # systemd-analyze reads the units and their drop-ins from SYSTEMD_UNIT_PATH (the trailing
+    # ':' appends the built-in search path, where network-online.target lives).
+    env = {**os.environ, "SYSTEMD_UNIT_PATH": f"{unit_dir}:"}
+    out = subprocess.run(["systemd-analyze", "verify", *RING_WORKERS, U.HEAD, U.WAIT_WORKER, U.READY_TARGET],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out.stdout + out.stderr
+    # And it does read the drop-ins: a broken key in one is reported.
+    dropin = unit_dir / f"{RING_WORKERS[1]}.d" / U.LOCAL_PAIR_DROPIN
+    dropin.write_text(dropin.read_text().replace("PrivateTmp=no", "PrivateTmpp=no"))
+    out = subprocess.run(["systemd-analyze", "verify", RING_WORKERS[1]], capture_output=True, text=True,
+                         timeout=60, env=env, cwd=tmp_path)
+    assert "PrivateTmpp" in out.stdout + out.stderr
+
+
+def test_a_host_of_two_workers_without_the_head(tmp_path, ring_file):
+    unit_dir, r = install_ring(tmp_path, ring_file, "local-worker-2", "local-worker-3")
+    assert r.returncode == 0, r.stderr
+    assert "DSPARK_NODE=local-worker-3" in (unit_dir / f"{RING_WORKERS[2]}.d" / U.NODE_DROPIN).read_text()
+    assert (unit_dir / f"{RING_WORKERS[1]}.d" / U.LOCAL_PAIR_DROPIN).is_file()  # they share /tmp
+    assert not (unit_dir / f"{U.HEAD}.d").exists() and not (unit_dir / f"{U.WAIT_WORKER}.d").exists()
+    assert r.stdout.splitlines()[-1].startswith(f"next: systemctl start {RING_WORKERS[1]} {RING_WORKERS[2]} ")
+
+
+def test_one_worker_of_a_ring_keeps_the_one_worker_unit(tmp_path, ring_file):
+    unit_dir, r = install_ring(tmp_path, ring_file, "local-worker-3")
+    assert r.returncode == 0, r.stderr
+    assert "DSPARK_NODE=local-worker-3" in (unit_dir / f"{U.WORKER}.d" / U.NODE_DROPIN).read_text()
+    assert not any(p.name.startswith("dspark-worker@") and p.is_dir() for p in unit_dir.iterdir())
+
+
+def test_a_node_name_that_cannot_name_an_instance_is_refused():
+    nodes = [U.NodeRole("w one", False), U.NodeRole("w2", False)]
+    with pytest.raises(ValueError, match="node 'w one' cannot name a dspark-worker@.service instance"):
+        U.node_dropins(nodes)
+    assert U.node_units([U.NodeRole("w one", False)]) == {"w one": U.WORKER}  # alone it needs no instance
+
+
+def test_install_refuses_a_node_given_twice(tmp_path, ring_file):
+    _, r = install_ring(tmp_path, ring_file, "local-worker-2", "local-worker-2")
+    assert r.returncode == 2 and "local-worker-2 given more than once" in r.stderr
