@@ -17,7 +17,8 @@ import pytest
 from dspark import config as C
 from dspark import states as S
 from dspark.agent import Agent
-from dspark.local import TINY_MODEL, LocalError, LocalPorts, prepare, up
+from dspark.local import LocalError, LocalPorts, prepare, up
+from dspark.local_model import TINY_MODEL
 from dspark.preflight import Host
 from dspark.preflight import peer as P
 from pairlib import run_dspark

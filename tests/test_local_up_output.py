@@ -47,14 +47,15 @@ def test_the_printed_status_command_runs_as_printed_and_a_fresh_pair_has_no_rest
     assert [n["restarts"] for n in nodes] == [0, 0], nodes
 
 
-def test_the_printed_sample_request_shows_token_ids_and_what_the_model_cannot_do(local_pair):
+def test_the_printed_sample_request_is_a_chat_that_answers(local_pair):
     log = local_pair.log()
     i = next(k for k, line in enumerate(log.splitlines()) if line.strip().startswith("curl "))
     lines = log.splitlines()
     cmd = shlex.split(lines[i].strip().rstrip("\\") + " " + lines[i + 1].strip())
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     answer = json.loads(r.stdout)
-    ids = answer["choices"][0]["token_ids"]
-    assert len(ids) == 8 and all(isinstance(x, int) for x in ids), answer
-    assert "no tokenizer" in log and "HTTP 400" in log and "HTTP 500" in log
+    message = answer["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str), answer
+    assert 1 <= answer["usage"]["completion_tokens"] <= 16, answer
+    assert "chat template" in log and "token-id prompts all work" in log
 

@@ -9,7 +9,6 @@ rendezvous.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -23,6 +22,8 @@ from typing import Callable
 from . import states as A
 from . import config as C
 from .agent_client import agent_state
+from .local_model import TINY_MODEL
+from . import local_model
 
 WORKER_ADDR = "127.0.0.2"
 HEAD_ADDR = "127.0.0.1"
@@ -32,24 +33,6 @@ SERVED_NAME = "dspark-local"
 DEFAULT_NODES = 2
 MAX_NODES = 8
 
-# A 2-layer Llama with random weights: enough to run the real engine, the real TP=2
-# collectives and the real HTTP API, small enough to start on two CPU cores.
-TINY_MODEL = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 2,
-    "vocab_size": 4096,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "tie_word_embeddings": False,
-}
 KV_CACHE_GIB = 1  # per rank; the CPU build takes it from VLLM_CPU_KVCACHE_SPACE
 
 
@@ -130,7 +113,7 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
             "enable_chunked_prefill": True,
             "async_scheduling": False,
             "load_format": "dummy",
-            "skip_tokenizer_init": True,
+            "skip_tokenizer_init": False,  # the tiny model has a tokenizer and a chat template
             "extra_args": extra,
             "env": {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)},
         },
@@ -153,7 +136,7 @@ def prepare(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = Fal
     data = cluster_dict(workdir.resolve(), ports, compile, nodes)
     workdir = workdir.resolve()
     (workdir / "model").mkdir(parents=True, exist_ok=True)
-    (workdir / "model" / "config.json").write_text(json.dumps(TINY_MODEL, indent=2) + "\n")
+    local_model.write(workdir / "model")
     C.from_dict(data)  # the generated file must pass the same validation as a hand-written one
     path = workdir / "cluster.toml"
     what = "two-node appliance" if nodes == 2 else f"{nodes}-node appliance"
@@ -343,13 +326,13 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
                        watch=(head, *(o for o in workers if o is not w)))
         elapsed = time.monotonic() - t0
         progress("")
-        progress(f"serving after {elapsed:.0f} s: {head.api_url}/v1  (model {SERVED_NAME!r}, token-id prompts)")
-        progress(f"  curl -s {head.api_url}/v1/completions -H 'Content-Type: application/json' \\")
-        progress(f"    -d '{{\"model\": \"{SERVED_NAME}\", \"prompt\": [1, 2, 3], \"max_tokens\": 8, "
-                 f"\"return_token_ids\": true}}'")
-        progress("  (the tiny model has no tokenizer: its answer is the generated token ids, \"token_ids\", "
-                 "with \"text\" empty; a text prompt gets HTTP 400 'Tokenizer not available', and "
-                 "/v1/chat/completions HTTP 500 with an empty message)")
+        progress(f"serving after {elapsed:.0f} s: {head.api_url}/v1  (model {SERVED_NAME!r}; random weights, "
+                 "so its text is gibberish)")
+        progress(f"  curl -s {head.api_url}/v1/chat/completions -H 'Content-Type: application/json' \\")
+        progress(f"    -d '{{\"model\": \"{SERVED_NAME}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+                 f"\"Hello\"}}], \"max_tokens\": 16}}'")
+        progress("  (text, chat and token-id prompts all work: the tiny model has a tokenizer and a chat template; "
+                 "the README has the same request with the OpenAI SDK)")
         progress(f"  {cli_command()} status --config {cluster_file}")
         progress(f"Ctrl-C stops {everyone}.")
         if on_ready:

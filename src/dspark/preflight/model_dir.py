@@ -118,7 +118,7 @@ def check_model_dir(model_path: str, load_format: str | None, user: ServiceUser)
         out.append(ok("model.shards", f"config.json and {len(present)} shard(s), no index"))
         files = present
     elif load_format == "dummy":
-        out.append(ok("model.shards", "config.json only: serving.load_format = \"dummy\" (random weights)"))
+        out.append(ok("model.shards", "no weight shards: serving.load_format = \"dummy\" (random weights)"))
         files = []
     else:
         return [fail("model.shards", f"{where}: config.json but no *.safetensors shards", "finish the download, or "
