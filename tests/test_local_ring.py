@@ -36,6 +36,22 @@ def test_four_ranks_serve_a_token_id_completion_over_tensor_parallel_4(local_rin
     assert "tp4" in out["system_fingerprint"], out["system_fingerprint"]
 
 
+def test_four_ranks_serve_a_chat_plain_and_streamed_with_the_openai_sdk(local_ring):
+    import openai
+
+    client = openai.OpenAI(base_url=local_ring.api_url + "/v1", api_key="none", timeout=120, max_retries=0)
+    chat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello!"}]
+    reply = client.chat.completions.create(model=L.SERVED_NAME, messages=chat, max_tokens=12)
+    assert reply.choices[0].message.role == "assistant" and isinstance(reply.choices[0].message.content, str)
+    assert 1 <= reply.usage.completion_tokens <= 12
+    # The chat template's prompt: <s><|system|>\n...</s><|user|>\n...</s><|assistant|>\n, tokenized.
+    assert reply.usage.prompt_tokens > 8
+    chunks = list(client.chat.completions.create(model=L.SERVED_NAME, messages=chat, max_tokens=12, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length"), chunks[-1]
+    assert isinstance(text, str) and len(chunks) >= 2
+
+
 def test_every_worker_was_in_the_rendezvous_before_the_head_started(local_ring):
     log = local_ring.log()
     head_start = log.index("starting the head")
