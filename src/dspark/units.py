@@ -182,7 +182,7 @@ def _common_hardening(devices: bool) -> list[str]:
         "# Not set, on purpose: MemoryDenyWriteExecute= (Triton, torch.compile and CUDA JIT",
         "# write executable code), SystemCallFilter= (CUDA, NCCL and their IPC across the",
         "# engine's processes are not verified under a filter), RemoveIPC= (on a host running",
-        "# both roles, stopping one unit would remove the other's shared memory).",
+        "# several nodes, stopping one unit would remove the others' shared memory).",
     ]
     if devices:
         lines += [
@@ -202,8 +202,8 @@ def node_service(role: str, dspark_bin: str, template: bool = False) -> str:
     dspark-worker@.service whose instance name is the worker's node name."""
     head = role == "head"
     unit = [
-        f"Description=dspark {role} node ({'rank 0, serves the API' if head else 'rank >= 1, headless'}"
-        f"{' %i' if template else ''}): vLLM under the dspark supervisor",
+        f"Description=dspark {role} node{' %i' if template else ''} "
+        f"({'rank 0, serves the API' if head else 'rank >= 1, headless'}): vLLM under the dspark supervisor",
         "After=network-online.target" + (f" {READY_TARGET}" if head else ""),
         "Wants=network-online.target",
     ]
@@ -254,7 +254,7 @@ def node_service(role: str, dspark_bin: str, template: bool = False) -> str:
         "# timeouts; never exit 2 (refused: bad cluster file or memory plan). The delay grows",
         "# inside the supervisor (0, 5, 10 ... 300 s, shown as STATUS=): RestartSteps= needs",
         "# systemd >= 254, DGX OS has 252. Each node restarts on its own; the supervisors",
-        "# re-form the ring workers first (see dspark.units).",
+        "# re-form the ring, workers first (why: dspark/units.py).",
         "Restart=on-failure",
         f"RestartSec={RESTART_SEC}s",
         "RestartPreventExitStatus=2",

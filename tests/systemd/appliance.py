@@ -1,6 +1,7 @@
-"""The local appliance (worker 127.0.0.2 + head 127.0.0.1, real vLLM CPU build) installed with
-the project's own units in a `Container`, as `dspark systemd install` sets it up on a host that
-runs both roles. Shared by tests/systemd and benchmarks/failover.py."""
+"""The local appliance (worker 127.0.0.2 + head 127.0.0.1, real vLLM CPU build; or a ring of N
+nodes, rank r on 127.0.0.(r+1)) installed with the project's own units in a `Container`, as
+`dspark systemd install` sets it up on a host that runs every node. Shared by tests/systemd and
+benchmarks/failover.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from pathlib import Path
 
 from nspawn_container import ROOT, Container
 
-from dspark.local import HEAD_NAME, SERVED_NAME, WORKER_NAME, LocalError, LocalPorts, check_ports_free
+from dspark.local import (DEFAULT_NODES, HEAD_NAME, SERVED_NAME, WORKER_NAME, LocalError, LocalPorts,
+                          check_ports_free, node_address, node_name)
+from dspark.units import NodeRole, node_units
 
 CLUSTER_DIR = "/srv/dspark-local"  # inside the container (outside /tmp: PrivateTmp hides that)
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
@@ -27,16 +30,16 @@ DSPARK = str(ROOT / ".venv" / "bin" / "dspark")
 # packages. What the units run lives here, so they run exactly as shipped (User=dspark).
 RUNTIME = "/opt/dspark/venv"
 UNITS = ("dspark-head.service", "dspark-worker.service", "dspark-wait-worker.service",
-         "dspark-worker-ready.target")
+         "dspark-worker-ready.target")  # the pair's (Appliance.units: any number of nodes)
 
 
-def free_ports() -> LocalPorts:
+def free_ports(nodes: int = DEFAULT_NODES) -> LocalPorts:
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(50):
         base = rng.randrange(21000, 29000, 10)
         ports = LocalPorts(api=base, master=base + 1, agent=base + 2)
         try:
-            check_ports_free(ports)  # the container shares the host's network namespace
+            check_ports_free(ports, nodes)  # the container shares the host's network namespace
             return ports
         except LocalError:
             continue
@@ -48,6 +51,26 @@ class Appliance:
     box: Container
     ports: LocalPorts
     user_note: str = ""  # which runtime the units (as user dspark) run from
+    nodes: int = DEFAULT_NODES
+
+    @property
+    def names(self) -> list[str]:
+        """The nodes' names in rank order (the head's first)."""
+        return [node_name(r) for r in range(self.nodes)]
+
+    @property
+    def workers(self) -> list[str]:
+        return self.names[1:]
+
+    def unit(self, node: str) -> str:
+        """The unit that runs `node` (dspark-worker.service for the pair's one worker,
+        dspark-worker@NODE.service for each of several)."""
+        return node_units([NodeRole(n, n == HEAD_NAME) for n in self.names])[node]
+
+    @property
+    def units(self) -> list[str]:
+        """Every unit of the appliance: the nodes' (head first) and the head's helpers."""
+        return [self.unit(n) for n in self.names] + ["dspark-wait-worker.service", "dspark-worker-ready.target"]
 
     @property
     def api_url(self) -> str:
@@ -61,7 +84,7 @@ class Appliance:
         return C.load(self.box.path(f"{CLUSTER_DIR}/cluster.toml"))
 
     def agent_url(self, node: str) -> str:
-        return f"http://{'127.0.0.1' if node == HEAD_NAME else '127.0.0.2'}:{self.ports.agent}"
+        return f"http://{node_address(self.names.index(node))}:{self.ports.agent}"
 
     def state(self, node: str, timeout: float = 2.0) -> dict | None:
         try:
@@ -85,21 +108,21 @@ class Appliance:
             return None, str(e)
 
     def serving(self) -> bool:
-        h, w = self.state(HEAD_NAME), self.state(WORKER_NAME)
-        return bool(h and w and h["state"] == "serving" and w["state"] == "serving"
-                    and self.complete(timeout=10)[0] == 200)
+        states = [self.state(n) for n in self.names]
+        return bool(all(s and s["state"] == "serving" for s in states) and self.complete(timeout=10)[0] == 200)
 
     def wait_serving(self, timeout: float) -> float:
-        """Seconds until both nodes serve and a completion succeeds; raises on timeout."""
+        """Seconds until every node serves and a completion succeeds; raises on timeout."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.serving():
                 return time.monotonic() - t0
             time.sleep(0.5)
-        raise TimeoutError(f"pair not serving after {timeout:.0f} s:\n" + self.diagnose())
+        raise TimeoutError(f"{'pair' if self.nodes == 2 else 'ring'} not serving after {timeout:.0f} s:\n"
+                           + self.diagnose())
 
     def diagnose(self) -> str:
-        return "\n".join(self.box.status(u) for u in UNITS)
+        return "\n".join(self.box.status(u) for u in self.units)
 
     def kill(self, signal: str, pid: int, group: bool = False) -> None:
         target = f"-{pid}" if group else str(pid)
@@ -147,24 +170,25 @@ def runtime(box: Container) -> tuple[str, str, str]:
     return f"{RUNTIME}/bin/python", f"{RUNTIME}/bin/dspark", f"{RUNTIME} on {base}"
 
 
-def install(box: Container, ports: LocalPorts | None = None) -> Appliance:
-    """Write the local cluster into the container and install the units for both roles, as
-    shipped: they run as the dspark user, from where that user can execute them."""
-    ports = ports or free_ports()
+def install(box: Container, ports: LocalPorts | None = None, nodes: int = DEFAULT_NODES) -> Appliance:
+    """Write the local cluster of `nodes` nodes into the container and install the units for
+    every one of them, as shipped: they run as the dspark user, from where that user can
+    execute them."""
+    ports = ports or free_ports(nodes)
     python, dspark, how = runtime(box)
     # prepare() names vLLM's CLI beside the Python that runs it: the runtime's.
     box.run(python, "-c", "import sys; from pathlib import Path; from dspark.local import prepare, LocalPorts; "
             f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api={ports.api}, master={ports.master}, "
-            f"agent={ports.agent}))", timeout=60, check=True)
-    box.run(dspark, "systemd", "install", "--node", HEAD_NAME, "--node", WORKER_NAME,
+            f"agent={ports.agent}), nodes={nodes})", timeout=60, check=True)
+    app = Appliance(box, ports, user_note=f"units run as user dspark from {how}", nodes=nodes)
+    box.run(dspark, "systemd", "install", *(a for n in app.names for a in ("--node", n)),
             "--config", f"{CLUSTER_DIR}/cluster.toml", "--dspark-bin", dspark, timeout=60, check=True)
-    app = Appliance(box, ports, user_note=f"units run as user dspark from {how}")
     # The units keep PrivateTmp=yes: a checkout under /tmp (a CI clone, say) would vanish
     # inside them, so only then the test binds it back in, read-only, over the private /tmp.
     checkout = Path(os.path.realpath(ROOT))
     if any(checkout.is_relative_to(t) for t in ("/tmp", "/var/tmp")):
-        for unit in ("dspark-head", "dspark-worker", "dspark-wait-worker"):
-            d = box.path(f"/etc/systemd/system/{unit}.service.d")
+        for unit in [app.unit(n) for n in app.names] + ["dspark-wait-worker.service"]:
+            d = box.path(f"/etc/systemd/system/{unit}.d")
             d.mkdir(parents=True, exist_ok=True)
             (d / "91-test-checkout.conf").write_text(
                 f"# tests only: this checkout lives under a private /tmp\n[Service]\nBindReadOnlyPaths={checkout}\n")

@@ -1,0 +1,153 @@
+"""A ring of four nodes under a real systemd: the local 4-node appliance (head on 127.0.0.1,
+workers on 127.0.0.2-4, TP=4, the real vLLM CPU build) installed with the project's own units
+in one systemd-nspawn container (made for this module and always removed), the three
+workers as instances of dspark-worker@.service.
+
+The tests run in file order against one container: the units as installed, the start (every
+worker in the rendezvous before the head's vLLM starts), one worker's vLLM killed (the head
+leaves serving and the ring comes back, workers first), and a stop that leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from appliance import CLUSTER_DIR, Appliance, install
+from nspawn_container import Container, missing_requirements
+
+from dspark.local import HEAD_NAME, node_name
+
+pytestmark = [pytest.mark.systemd,
+              pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]
+
+NODES = 4
+START_S = 900      # a 4-node start on a loaded 2-core machine (1-3 minutes; bounded all the same)
+DETECT_S = 15      # the issue's bound for detecting a worker death (as for the pair)
+KILLED = node_name(2)  # the worker whose vLLM is killed: neither the head nor the pair's one worker
+
+WORKER_READY = "ready (in the rendezvous)"  # a worker's supervisor, once its vLLM waits in the rendezvous
+HEAD_STARTS_VLLM = "starting vLLM: "        # the head's supervisor, once every worker is in it
+
+
+@pytest.fixture(scope="module")
+def ring():
+    box = Container(name="dspark-ring")
+    try:
+        box.start()
+        yield install(box, nodes=NODES)
+    finally:
+        box.stop()
+
+
+def usec() -> int:
+    """The container's realtime clock, in µs (it is the host's clock)."""
+    return time.time_ns() // 1000
+
+
+def lines_with(ring: Appliance, node: str, text: str, since: int) -> list[float]:
+    return [t for t, line in ring.box.journal(ring.unit(node), since) if text in line]
+
+
+def assert_workers_first(ring: Appliance, since: int) -> dict[str, float]:
+    """Every worker entered the rendezvous (after `since`) before the head started the vLLM it
+    serves with now (its last start). Returns each worker's lead over that start, in seconds."""
+    head_starts = lines_with(ring, HEAD_NAME, HEAD_STARTS_VLLM, since)
+    assert head_starts, f"the head's journal has no {HEAD_STARTS_VLLM!r} since the start"
+    head_vllm = head_starts[-1]
+    lead = {}
+    for w in ring.workers:
+        ready = [t for t in lines_with(ring, w, WORKER_READY, since) if t < head_vllm]
+        assert ready, (f"{w} ({ring.unit(w)}) did not report {WORKER_READY!r} before the head's vLLM started; "
+                       f"its lines: {lines_with(ring, w, WORKER_READY, since)}, the head's start {head_vllm}")
+        lead[w] = head_vllm - ready[-1]
+    return lead
+
+
+def test_each_worker_runs_as_an_instance_of_the_template(ring: Appliance):
+    assert ring.workers == ["local-worker", "local-worker-2", "local-worker-3"]
+    instances = [ring.unit(w) for w in ring.workers]
+    assert instances == [f"dspark-worker@{w}.service" for w in ring.workers]
+    out = ring.box.run("systemd-analyze", "verify", *instances, "dspark-head.service", "dspark-wait-worker.service",
+                       "dspark-worker-ready.target", timeout=120)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+    for w in ring.workers:
+        p = ring.box.show(ring.unit(w), "Environment", "User", "ProtectSystem", "PrivateTmp", "StateDirectory")
+        assert f"DSPARK_NODE={w}" in p["Environment"].split() and p["User"] == "dspark", p
+        assert p["ProtectSystem"] == "strict" and p["PrivateTmp"] == "no", p  # one /tmp for one host's vLLMs
+        assert p["StateDirectory"].split() == ["dspark", f"dspark/worker-{w}"], p
+    head = ring.box.show("dspark-head.service", "Wants", "After")
+    for unit in instances:
+        assert unit in head["Wants"].split() and unit in head["After"].split(), (unit, head)
+
+
+def test_start_brings_every_worker_into_the_rendezvous_before_the_head(ring: Appliance):
+    since = usec()
+    t0 = time.monotonic()
+    r = ring.box.systemctl("start", "dspark-head", timeout=START_S)  # pulls in this host's workers
+    assert r.returncode == 0, r.stderr + ring.diagnose()
+    started = time.monotonic() - t0
+    props = {u: ring.box.show(u, "ActiveState", "ActiveEnterTimestampMonotonic", "ExecMainStartTimestampMonotonic")
+             for u in ring.units}
+    assert all(p["ActiveState"] == "active" for p in props.values()), props
+    # systemd's order: each worker ready (READY=1: in the rendezvous) -> target -> head started.
+    target = int(props["dspark-worker-ready.target"]["ActiveEnterTimestampMonotonic"])
+    head_started = int(props["dspark-head.service"]["ExecMainStartTimestampMonotonic"])
+    for w in ring.workers:
+        assert int(props[ring.unit(w)]["ActiveEnterTimestampMonotonic"]) <= target <= head_started, (w, props)
+    # The supervisors' own record: the head's vLLM started after every worker's was in the rendezvous.
+    assert_workers_first(ring, since)
+    status, detail = ring.complete()  # `systemctl start` returned once the head was READY: it serves
+    assert status == 200, detail
+    ring.wait_serving(120)  # the workers follow their head into serving
+    print(f"ring of {NODES}: serving {started:.0f} s after systemctl start")
+
+
+def test_one_worker_vllm_killed_the_head_leaves_and_the_ring_comes_back_workers_first(ring: Appliance):
+    ring.wait_serving(120)
+    node_units = [ring.unit(n) for n in ring.names]
+    restarts = {u: ring.main_pid_restarts(u) for u in node_units}
+    pid = ring.state(KILLED)["vllm_pid"]  # in the container's PID namespace
+    since = usec()
+    t0 = time.monotonic()
+    ring.kill("KILL", pid)
+    detected = None
+    while time.monotonic() - t0 < 60:
+        s = ring.state(HEAD_NAME, timeout=1.0)
+        if s is None or s["state"] != "serving":
+            detected = time.monotonic() - t0
+            break
+        time.sleep(0.2)
+    assert detected is not None and detected < DETECT_S, f"head still serving {time.monotonic() - t0:.0f} s after"
+    back = ring.wait_serving(START_S)
+    # Every node went through a restart: the killed worker, the head that saw it, and the
+    # workers that saw their head leave; each left with exit 4 (died or lost its pair).
+    for unit, n in restarts.items():
+        assert ring.main_pid_restarts(unit) > n, (unit, ring.box.status(unit))
+    for node in ring.names:
+        exits = lines_with(ring, node, "Main process exited, code=exited, status=4", since)
+        assert exits, f"{node}: no exit 4 in its journal since the kill"
+    assert lines_with(ring, KILLED, "vLLM exited with code", since)
+    # In order: every worker back in the rendezvous before the head's new vLLM.
+    lead = assert_workers_first(ring, since)
+    status, detail = ring.complete(max_tokens=4)
+    assert status == 200, detail
+    print(f"{KILLED} killed: head left serving after {detected:.1f} s, ring serving again "
+          f"{back + detected:.0f} s after the kill; workers ready ahead of the head's vLLM by "
+          + ", ".join(f"{w} {s:.1f} s" for w, s in lead.items()))
+
+
+def test_systemctl_stop_of_every_node_leaves_no_process(ring: Appliance):
+    node_units = [ring.unit(n) for n in ring.names]
+    r = ring.box.systemctl("stop", "dspark-head.service", "dspark-worker@*.service", timeout=300)
+    assert r.returncode == 0, r.stderr
+    for unit in node_units:
+        p = ring.box.show(unit, "ActiveState", "MainPID")
+        # A worker may leave on its own a moment before its SIGTERM ("pair broken: local-head
+        # is stopping", exit 4 while a stop job runs: failed).
+        assert p["MainPID"] == "0" and p["ActiveState"] in ("inactive", "failed"), (unit, p)
+    assert ring.box.show("dspark-head.service", "ActiveState")["ActiveState"] == "inactive"
+    left = ring.box.run("pgrep", "-af", CLUSTER_DIR, timeout=10).stdout.strip()
+    assert left == "", left
+    assert all(ring.state(n, timeout=1) is None for n in ring.names)
