@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from dashboard.browser import browser  # noqa: F401 (the fixture)
 from pairlib import get_json, run_dspark
 from dspark import local as L
 from dspark import vllm_facts as F
@@ -88,25 +89,16 @@ def test_wait_worker_names_every_worker(local_ring):
         assert f"{w} serving" in r.stdout, r.stdout
 
 
-def test_the_dashboard_shows_every_rank(local_ring, tmp_path):
+@pytest.fixture(scope="module")
+def ring_dashboard(local_ring):
+    """`dspark dashboard` on the ring's cluster file; its URL once it shows every rank serving."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     p = subprocess.Popen([sys.executable, "-m", "dspark", "dashboard", "--config", str(local_ring.cluster_file),
                           "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        nodes = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                nodes = get_json(f"http://127.0.0.1:{port}/api/v1/snapshot", timeout=5).get("nodes") or []
-            except OSError:
-                nodes = []
-            if len(nodes) == RANKS and all(n.get("state") == "serving" for n in nodes):
-                break
-            time.sleep(1)
-        assert [(n["name"], n["rank"], n["state"]) for n in nodes] == [
-            (name, rank, "serving") for rank, name in enumerate(local_ring.names)], nodes
+        yield f"http://127.0.0.1:{port}"
     finally:
         p.send_signal(signal.SIGTERM)
         try:
@@ -114,3 +106,42 @@ def test_the_dashboard_shows_every_rank(local_ring, tmp_path):
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def snapshot_nodes(url: str, timeout: float = 60) -> list[dict]:
+    nodes: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            nodes = get_json(url + "/api/v1/snapshot", timeout=5).get("nodes") or []
+        except OSError:
+            nodes = []
+        if len(nodes) == RANKS and all(n.get("state") == "serving" for n in nodes):
+            break
+        time.sleep(1)
+    return nodes
+
+
+def test_the_dashboard_shows_every_rank(local_ring, ring_dashboard):
+    nodes = snapshot_nodes(ring_dashboard)
+    assert [(n["name"], n["rank"], n["state"]) for n in nodes] == [
+        (name, rank, "serving") for rank, name in enumerate(local_ring.names)], nodes
+
+
+@pytest.mark.browser
+def test_the_dashboard_page_lays_every_rank_out_in_one_row_above_the_rest(local_ring, ring_dashboard, browser):
+    from dashboard.browser import wait_for
+
+    snapshot_nodes(ring_dashboard)
+    browser.get(ring_dashboard + "/")
+    page = wait_for(browser, lambda p: len(p["nodes"]) == RANKS and all(
+        n.get("state") == "serving" for n in p["nodes"].values()), timeout=30)
+    assert list(page["nodes"]) == local_ring.names
+    boxes = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.node')).map(e => e.getBoundingClientRect().toJSON())")
+    chart = browser.execute_script("return document.getElementById('chart').getBoundingClientRect().toJSON()")
+    # Four cards side by side (one row, the page's width shared), all above the throughput chart:
+    # a ring's state is seen at a glance, without scrolling past the figures.
+    assert len({round(b["top"]) for b in boxes}) == 1, boxes
+    assert all(b["bottom"] <= chart["top"] for b in boxes), (boxes, chart)
+    assert boxes[-1]["right"] <= browser.execute_script("return document.documentElement.clientWidth"), boxes

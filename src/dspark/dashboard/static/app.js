@@ -108,6 +108,9 @@ function nodeCard(n) {
 
 function renderNodes(snap) {
   const box = document.getElementById("nodes");
+  const many = snap.nodes.length > 2;
+  box.classList.toggle("many", many);
+  box.closest(".panel").classList.toggle("many", many);
   for (const n of snap.nodes) {
     let card = box.querySelector(`.node[data-node="${CSS.escape(n.name)}"]`);
     if (!card) { card = nodeCard(n); box.append(card); }
