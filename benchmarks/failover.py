@@ -14,7 +14,11 @@ for saturation), back to serving (until both serve and a completion succeeds), a
 requests: completed, explicit errors (HTTP error or refused/reset connection), hung (no answer
 within --hang-s), silently dropped (HTTP 200 without a completion).
 
-    sudo .venv/bin/python benchmarks/failover.py [--case kill --case wedge ...] [--json]
+`--nodes 2,4` runs the cases on the pair and then on a four-node ring (head + three workers,
+TP=4, each worker an instance of dspark-worker@.service), and prints the figures side by side;
+the fault strikes the highest-ranked worker (`--worker-rank` picks another).
+
+    sudo .venv/bin/python benchmarks/failover.py [--case kill --case wedge ...] [--nodes 2,4] [--json]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "systemd"
 from appliance import Appliance, install  # noqa: E402
 from nspawn_container import Container, missing_requirements  # noqa: E402
 
-from dspark.local import HEAD_NAME, SERVED_NAME, WORKER_NAME  # noqa: E402
+from dspark.local import HEAD_NAME, SERVED_NAME, node_name, valid_node_counts  # noqa: E402
 
 COMPLETED, HTTP_ERROR, CONN_ERROR, HUNG, DROPPED = "completed", "http_error", "connection_error", "hung", "dropped"
 
@@ -53,6 +57,8 @@ class Report:
     case: str
     clients: int
     hang_s: float
+    nodes: int = 2
+    victim: str = ""          # the worker the fault struck
     detection_s: float | None = None
     back_to_serving_s: float | None = None
     pair_start_s: float | None = None
@@ -103,14 +109,15 @@ CASES = ("kill", "wedge", "saturation")
 
 
 def run_case(app: Appliance, case: str, clients: int, warmup_s: float, hang_s: float, max_tokens: int,
-             recover_s: float, progress) -> Report:
+             recover_s: float, progress, victim: str) -> Report:
     sup = app.cluster.supervisor
     if case == "saturation":
         # Twice max_num_seqs long completions, for longer than 3 x (interval + timeout).
         clients = 2 * app.cluster.serving.max_num_seqs
         max_tokens = max(max_tokens, 400)
         warmup_s = max(warmup_s, 3 * (sup.liveness_interval_s + sup.liveness_timeout_s) + 5)
-    report = Report(case=case, clients=clients, hang_s=hang_s, user_note=app.user_note)
+    report = Report(case=case, clients=clients, hang_s=hang_s, user_note=app.user_note, nodes=app.nodes,
+                    victim="" if case == "saturation" else victim)
     app.wait_serving(recover_s)
     progress(f"[{case}] load: {clients} clients of {max_tokens} tokens, {warmup_s:g} s before the fault")
     stop, t_fault, outcomes = threading.Event(), [], []
@@ -124,9 +131,9 @@ def run_case(app: Appliance, case: str, clients: int, warmup_s: float, hang_s: f
         if case == "saturation":
             limit = 0.0  # no fault: the load simply ends; anything detected is a false alarm
         else:
-            pid = app.state(WORKER_NAME)["vllm_pid"]
+            pid = app.state(victim)["vllm_pid"]
             app.kill("KILL" if case == "kill" else "STOP", pid, group=case == "wedge")
-            progress(f"[{case}] {'killed' if case == 'kill' else 'stopped (SIGSTOP)'} the worker's vLLM "
+            progress(f"[{case}] {'killed' if case == 'kill' else 'stopped (SIGSTOP)'} {victim}'s vLLM "
                      f"(pid {pid} in the container)")
             limit = 60.0 if case == "kill" else sup.stall_s + 60
         while time.monotonic() - t_fault[0] < limit:
@@ -136,7 +143,7 @@ def run_case(app: Appliance, case: str, clients: int, warmup_s: float, hang_s: f
                 break
             time.sleep(0.1)
         if case != "saturation":
-            progress(f"[{case}] detected after {report.detection_s} s; waiting for the pair to serve again")
+            progress(f"[{case}] detected after {report.detection_s} s; waiting for every node to serve again")
             app.wait_serving(recover_s)
             report.back_to_serving_s = round(time.monotonic() - t_fault[0], 1)
             progress(f"[{case}] serving again {report.back_to_serving_s} s after the fault; "
@@ -159,11 +166,13 @@ def run_case(app: Appliance, case: str, clients: int, warmup_s: float, hang_s: f
 
 
 def run(cases: list[str], clients: int, warmup_s: float, hang_s: float, max_tokens: int, recover_s: float,
+        nodes: int = 2, worker_rank: int | None = None,
         progress=lambda msg: print(msg, file=sys.stderr, flush=True)) -> list[Report]:
     reports = []
+    victim = node_name(nodes - 1 if worker_rank is None else worker_rank)
     with Container() as box:
-        app = install(box)
-        progress("starting the pair: systemctl start dspark-head ...")
+        app = install(box, nodes=nodes)
+        progress(f"starting {nodes} nodes: systemctl start dspark-head ...")
         t = time.monotonic()
         r = box.systemctl("start", "dspark-head", timeout=900)
         if r.returncode != 0:
@@ -173,12 +182,57 @@ def run(cases: list[str], clients: int, warmup_s: float, hang_s: float, max_toke
         progress(f"serving after {pair_start_s} s")
         try:
             for case in cases:
-                rep = run_case(app, case, clients, warmup_s, hang_s, max_tokens, recover_s, progress)
+                rep = run_case(app, case, clients, warmup_s, hang_s, max_tokens, recover_s, progress, victim)
                 rep.pair_start_s = pair_start_s
                 reports.append(rep)
         finally:
-            box.systemctl("stop", "dspark-head", "dspark-worker", timeout=200)
+            box.systemctl("stop", *app.units, timeout=200)
     return reports
+
+
+def node_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give node counts such as 2,4") from None
+    if not counts or any(n not in valid_node_counts() for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: the local appliance runs "
+                                         f"{' or '.join(map(str, valid_node_counts()))} nodes")
+    return counts
+
+
+def print_report(rep: Report) -> bool:
+    """One case's figures; True when it went wrong (hung or dropped requests, a false alarm)."""
+    total = sum(rep.counts.values())
+    print(f"\n== {rep.case}, {rep.nodes} nodes" + (f" (fault on {rep.victim})" if rep.victim else ""))
+    print(f"detection after the fault:  {rep.detection_s if rep.detection_s is not None else 'none'}"
+          f"{' s' if rep.detection_s is not None else ''}")
+    if rep.case != "saturation":
+        print(f"back to serving:            {rep.back_to_serving_s} s")
+    print(f"requests lost:              {rep.in_flight_lost} of {rep.in_flight} "
+          f"{'sent' if rep.case == 'saturation' else 'in flight at the fault'} ({rep.clients} clients)")
+    print(f"all requests ({total}, retried every 0.2 s while the API was down):")
+    for kind in (COMPLETED, HTTP_ERROR, CONN_ERROR, HUNG, DROPPED):
+        print(f"  {kind:<17} {rep.counts.get(kind, 0)}")
+    for what, n in sorted(rep.errors.items(), key=lambda kv: -kv[1]):
+        print(f"    {n:>5}  {what}")
+    bad = bool(rep.counts.get(HUNG) or rep.counts.get(DROPPED))
+    return bad or (rep.case == "saturation" and (rep.in_flight_lost > 0 or rep.detection_s is not None))
+
+
+def print_side_by_side(reports: list[Report]) -> None:
+    counts = sorted({r.nodes for r in reports})
+    print("\n== side by side (seconds; lost = requests in flight at the fault that did not complete)")
+    print(f"{'case':<11} {'figure':<17}" + "".join(f"{f'{n} nodes':>12}" for n in counts))
+    for case in dict.fromkeys(r.case for r in reports):
+        by = {r.nodes: r for r in reports if r.case == case}
+        rows = [("start", lambda r: r.pair_start_s), ("detection", lambda r: r.detection_s)]
+        if case != "saturation":
+            rows.append(("back to serving", lambda r: r.back_to_serving_s))
+        rows.append(("lost", lambda r: f"{r.in_flight_lost}/{r.in_flight}"))
+        for label, get in rows:
+            cells = "".join(f"{'-' if n not in by or get(by[n]) is None else get(by[n])!s:>12}" for n in counts)
+            print(f"{case:<11} {label:<17}{cells}")
 
 
 def main() -> int:
@@ -190,34 +244,34 @@ def main() -> int:
     ap.add_argument("--recover-s", type=float, default=600, help="give up waiting for recovery after (s)")
     ap.add_argument("--case", action="append", choices=CASES,
                     help="kill, wedge or saturation; repeat for several (default: all three, in that order)")
+    ap.add_argument("--nodes", type=node_counts, default=[2], metavar="N[,N]",
+                    help="node counts to run the cases at, side by side (default 2; e.g. 2,4)")
+    ap.add_argument("--worker-rank", type=int, default=None,
+                    help="the worker the fault strikes (default: the highest rank)")
     ap.add_argument("--json", action="store_true", help="print the reports as JSON")
     a = ap.parse_args()
+    if a.worker_rank is not None and not all(1 <= a.worker_rank < n for n in a.nodes):
+        print(f"failover: --worker-rank {a.worker_rank} is not a worker of every node count "
+              f"({', '.join(map(str, a.nodes))})", file=sys.stderr)
+        return 2
     why = missing_requirements()
     if why:
         print(f"failover: {why}", file=sys.stderr)
         return 2
-    reports = run(a.case or list(CASES), a.clients, a.warmup_s, a.hang_s, a.max_tokens, a.recover_s)
+    reports = [rep for n in a.nodes
+               for rep in run(a.case or list(CASES), a.clients, a.warmup_s, a.hang_s, a.max_tokens, a.recover_s,
+                              nodes=n, worker_rank=a.worker_rank)]
     if a.json:
         print(json.dumps([asdict(r) for r in reports], indent=2))
         return 0
-    print(f"pair start (systemctl start dspark-head): {reports[0].pair_start_s} s")
     bad = False
-    for rep in reports:
-        total = sum(rep.counts.values())
-        print(f"\n== {rep.case}")
-        print(f"detection after the fault:  {rep.detection_s if rep.detection_s is not None else 'none'}"
-              f"{' s' if rep.detection_s is not None else ''}")
-        if rep.case != "saturation":
-            print(f"back to serving:            {rep.back_to_serving_s} s")
-        print(f"requests lost:              {rep.in_flight_lost} of {rep.in_flight} "
-              f"{'sent' if rep.case == 'saturation' else 'in flight at the fault'} ({rep.clients} clients)")
-        print(f"all requests ({total}, retried every 0.2 s while the API was down):")
-        for kind in (COMPLETED, HTTP_ERROR, CONN_ERROR, HUNG, DROPPED):
-            print(f"  {kind:<17} {rep.counts.get(kind, 0)}")
-        for what, n in sorted(rep.errors.items(), key=lambda kv: -kv[1]):
-            print(f"    {n:>5}  {what}")
-        bad |= bool(rep.counts.get(HUNG) or rep.counts.get(DROPPED))
-        bad |= rep.case == "saturation" and (rep.in_flight_lost > 0 or rep.detection_s is not None)
+    for n in a.nodes:
+        mine = [r for r in reports if r.nodes == n]
+        print(f"\n{n} nodes: start (systemctl start dspark-head): {mine[0].pair_start_s} s")
+        for rep in mine:
+            bad |= print_report(rep)
+    if len(a.nodes) > 1:
+        print_side_by_side(reports)
     if reports[0].user_note:
         print(f"note: {reports[0].user_note}")
     return 1 if bad else 0
