@@ -238,7 +238,7 @@ class NodePolicy:
                 seen = ", ".join(f"{p.name} at {p.url} is {self.workers_seen[p.name]}" for p in waiting)
                 return self._end(out, EXIT_NEVER_READY, S.FAILED,
                                  f"worker not ready after {self.limits.worker_wait_timeout_s:g} s: {seen}; "
-                                 f"start it first (systemctl start dspark-worker on that host)")
+                                 + S.START_WORKERS_FIRST)
             # Polled briskly: every moment here is added to the pair's start.
             out.append(Action("poll_peers"))
         elif "peers" not in ev.running:

@@ -19,6 +19,10 @@ STOPPED = "stopped"
 FAILED = "failed"
 STATES = (STARTING, RENDEZVOUS, LOADING, WARMING, SERVING, STOPPING, STOPPED, FAILED)
 
+# What to do about a worker that is not in the rendezvous (the head's supervisor, wait-worker).
+START_WORKERS_FIRST = ("start every worker first (systemctl start dspark-worker on its host; "
+                       "dspark-worker@NODE where one host runs several)")
+
 
 @dataclass
 class Liveness:

@@ -41,7 +41,7 @@ def wait_for_workers(
         if time.monotonic() >= deadline:
             seen = ", ".join(f"{n} at {cluster.node(n).agent_url} is {last[n]}" for n in waiting)
             return False, (f"worker not ready after {timeout_s:g} s: {seen}; "
-                           f"start it first (systemctl start dspark-worker on that host)")
+                           + A.START_WORKERS_FIRST)
         time.sleep(poll_s)
 
 

@@ -122,12 +122,15 @@ def test_one_worker_vllm_killed_the_head_leaves_and_the_ring_comes_back_workers_
     assert detected is not None and detected < DETECT_S, f"head still serving {time.monotonic() - t0:.0f} s after"
     back = ring.wait_serving(START_S)
     # Every node went through a restart: the killed worker, the head that saw it, and the
-    # workers that saw their head leave; each left with exit 4 (died or lost its pair).
+    # workers that saw their head leave; each left with exit 4 (died or lost its pair), or,
+    # on a host loaded enough to delay a supervisor's loop, through its watchdog (a restart all
+    # the same: what matters is that no node stays up in a broken ring).
     for unit, n in restarts.items():
         assert ring.main_pid_restarts(unit) > n, (unit, ring.box.status(unit))
     for node in ring.names:
-        exits = lines_with(ring, node, "Main process exited, code=exited, status=4", since)
-        assert exits, f"{node}: no exit 4 in its journal since the kill"
+        exits = (lines_with(ring, node, "Main process exited, code=exited, status=4", since)
+                 + lines_with(ring, node, "Watchdog timeout", since))
+        assert exits, f"{node}: neither an exit 4 nor a watchdog restart in its journal since the kill"
     assert lines_with(ring, KILLED, "vLLM exited with code", since)
     # In order: every worker back in the rendezvous before the head's new vLLM.
     lead = assert_workers_first(ring, since)
