@@ -173,14 +173,16 @@ def test_assertion_unknown_node(evaluate):
     assert 'node = "spark-c" is not a node' in msg and "known: spark-a, spark-b" in msg
 
 
-def test_assertion_head_without_the_workers_address(evaluate):
-    s = settings()
-    del s["nodes"][1]["address"]
-    for node in ("spark-a", "spark-b"):  # every node reads the whole file: refused on each host
+@pytest.mark.parametrize("cluster,rank", [("pair", 1), ("ring", 2)])
+def test_assertion_a_worker_without_an_address(evaluate, cluster, rank):
+    s = settings() if cluster == "pair" else ring()
+    hosts = [n["name"] for n in s["nodes"]]
+    del s["nodes"][rank]["address"]
+    for node in hosts:  # every node reads the whole file: refused on each host
         msgs = failed(evaluate, host(node, settings=s))
-        assert msgs == ['services.dspark.settings.nodes: worker "spark-b" (rank 1) has no address; set its '
-                        "fabric address (every node reads the whole file, and the head reaches each worker's "
-                        "agent there)."], node
+        assert msgs == [f'services.dspark.settings.nodes: worker "{hosts[rank]}" (rank {rank}) has no address; '
+                        "set its fabric address (every node reads the whole file, and the head reaches each "
+                        "worker's agent there)."], node
 
 
 def test_assertion_ranks(evaluate):
@@ -318,14 +320,6 @@ def test_assertion_parallelism_not_a_whole_number_of_nodes(evaluate):
     assert "= 4 GPUs, which is not a whole number of nodes of gpus_per_node = 3" in msg
 
 
-def test_assertion_a_worker_of_the_ring_without_an_address(evaluate):
-    s = ring()
-    del s["nodes"][2]["address"]
-    for node in RING:
-        msgs = failed(evaluate, host(node, settings=s))
-        assert msgs == ['services.dspark.settings.nodes: worker "spark-c" (rank 2) has no address; set its fabric '
-                        "address (every node reads the whole file, and the head reaches each worker's agent "
-                        "there)."], node
 
 
 def test_assertion_two_workers_with_one_rank(evaluate):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from nspawn_container import ROOT, Container
 
-from dspark.local import (DEFAULT_NODES, HEAD_NAME, SERVED_NAME, WORKER_NAME, LocalError, LocalPorts,
+from dspark.local import (DEFAULT_NODES, HEAD_NAME, SERVED_NAME, LocalError, LocalPorts,
                           check_ports_free, node_address, node_name)
 from dspark.units import NodeRole, node_units
 
@@ -127,6 +127,19 @@ class Appliance:
     def kill(self, signal: str, pid: int, group: bool = False) -> None:
         target = f"-{pid}" if group else str(pid)
         self.box.run("kill", f"-{signal}", "--", target, timeout=10, check=True)
+
+    def kill_vllm_until_the_head_leaves(self, node: str, within: float = 60.0) -> float | None:
+        """SIGKILL `node`'s vLLM; seconds until the head's agent stops reporting `serving`
+        (None: still serving after `within`)."""
+        pid = self.state(node)["vllm_pid"]  # in the container's PID namespace
+        t0 = time.monotonic()
+        self.kill("KILL", pid)
+        while time.monotonic() - t0 < within:
+            s = self.state(HEAD_NAME, timeout=1.0)
+            if s is None or s["state"] != "serving":
+                return time.monotonic() - t0
+            time.sleep(0.2)
+        return None
 
     def main_pid_restarts(self, unit: str) -> int:
         return int(self.box.show(unit, "NRestarts")["NRestarts"])
