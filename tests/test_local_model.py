@@ -1,15 +1,13 @@
 """The local appliance's tiny model directory (dspark.local_model), proven through its callers:
-transformers' AutoTokenizer and vLLM's own tokenizer loader read it; and one real `vllm serve`
-(the CPU build, TP=1, the local cluster's other flags) answers text completions, chat
-completions (plain and streamed, through the OpenAI SDK), token-id prompts and
-`vllm bench serve --dataset-name random` on it."""
+transformers' AutoTokenizer and vLLM's own tokenizer loader read it; and the real local pair
+(`dspark local up`, vLLM's CPU build at TP=2) answers text completions, chat completions (plain
+and streamed, through the OpenAI SDK), token-id prompts and `vllm bench serve --dataset-name
+random` with it."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +19,6 @@ import pytest
 from dspark import config as C
 from dspark import local as L
 from dspark import local_model as M
-from dspark import render as R
 
 VOCAB = M.TINY_MODEL["vocab_size"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello, how are you?"}]
@@ -139,65 +136,12 @@ def n_tokens(text: str, add_special_tokens: bool) -> int:
     return len(Tokenizer.from_str(M.tokenizer_json()).encode(text, add_special_tokens=add_special_tokens).ids)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def single_server_launch(workdir: Path, port: int) -> R.Launch:
-    """The local cluster's vLLM launch (dspark.local.cluster_dict through dspark.render), with
-    the tokenizer on and one node at TP=1 in place of the pair."""
-    data = L.cluster_dict(workdir, L.LocalPorts(api=port))
-    data["serving"].update(tensor_parallel_size=1, skip_tokenizer_init=False)
-    data["nodes"] = [n for n in data["nodes"] if n["rank"] == 0]
-    cluster = C.from_dict(data)
-    return R.render(cluster, cluster.head)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("server")
-    M.write(workdir / "model")
-    port = free_port()
-    launch = single_server_launch(workdir, port)
-    assert "--skip-tokenizer-init" not in launch.argv and "--load-format" in launch.argv
-    log = workdir / "vllm.log"
-    env = {**os.environ, **launch.env, "HF_HUB_OFFLINE": "1"}  # nothing may be downloaded
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(launch.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not up after 600 s:\n{log.read_text(errors='replace')[-4000:]}")
-            time.sleep(1)
-        yield {"url": url, "port": port, "model_dir": workdir / "model", "log": log, "env": env}
-    finally:
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)  # vLLM's group: the API server and its engine core
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait)
-                if sig == signal.SIGTERM:
-                    os.killpg(proc.pid, signal.SIGKILL)  # anything of the group still there
-            except subprocess.TimeoutExpired:
-                continue
-            except ProcessLookupError:
-                pass
-            break
+def server(local_pair):
+    """The real local pair (`dspark local up`: TP=2, the tokenizer on), as a client sees it."""
+    assert C.load(local_pair.cluster_file).serving.skip_tokenizer_init is False
+    return {"url": local_pair.api_url, "model_dir": local_pair.workdir / "model",
+            "env": {**os.environ, "HF_HUB_OFFLINE": "1"}}  # nothing may be downloaded
 
 
 @pytest.fixture(scope="module")
