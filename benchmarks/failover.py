@@ -46,8 +46,8 @@ COMPLETED, HTTP_ERROR, CONN_ERROR, HUNG, DROPPED = "completed", "http_error", "c
 
 @dataclass
 class Outcome:
-    start: float  # seconds relative to the kill (negative: before it)
-    end: float
+    start: float  # monotonic seconds, sent
+    end: float    # answered (or given up)
     kind: str
     detail: str = ""
 
@@ -93,14 +93,13 @@ def one_request(api_url: str, hang_s: float, max_tokens: int) -> tuple[str, str]
     return (COMPLETED, "") if ok else (DROPPED, raw[:80].decode(errors="replace"))
 
 
-def load(app: Appliance, stop: threading.Event, t_kill: list[float], out: list[Outcome], hang_s: float,
+def load(app: Appliance, stop: threading.Event, out: list[Outcome], hang_s: float,
          max_tokens: int) -> None:
     while not stop.is_set():
         t0 = time.monotonic()
         kind, detail = one_request(app.api_url, hang_s, max_tokens)
         t1 = time.monotonic()
-        ref = t_kill[0] if t_kill else t1
-        out.append(Outcome(t0 - ref, t1 - ref, kind, detail))
+        out.append(Outcome(t0, t1, kind, detail))  # monotonic times; made relative to the fault after it
         if kind != COMPLETED:
             time.sleep(0.2)  # a down API answers at once; do not spin
 
@@ -121,7 +120,7 @@ def run_case(app: Appliance, case: str, clients: int, warmup_s: float, hang_s: f
     app.wait_serving(recover_s)
     progress(f"[{case}] load: {clients} clients of {max_tokens} tokens, {warmup_s:g} s before the fault")
     stop, t_fault, outcomes = threading.Event(), [], []
-    threads = [threading.Thread(target=load, args=(app, stop, t_fault, outcomes, hang_s, max_tokens), daemon=True)
+    threads = [threading.Thread(target=load, args=(app, stop, outcomes, hang_s, max_tokens), daemon=True)
                for _ in range(clients)]
     for th in threads:
         th.start()
@@ -159,7 +158,9 @@ def run_case(app: Appliance, case: str, clients: int, warmup_s: float, hang_s: f
             report.detection_s = round(time.monotonic() - t_fault[0], 2)  # a false alarm
     report.counts = dict(Counter(o.kind for o in outcomes))
     report.errors = dict(Counter(f"{o.kind}: {o.detail}" for o in outcomes if o.kind != COMPLETED))
-    hit = outcomes if case == "saturation" else [o for o in outcomes if o.start <= 0 <= o.end]
+    # In flight at the fault: sent before it and answered (or not) after it. A request that
+    # ended before the fault was not hit by it.
+    hit = outcomes if case == "saturation" else [o for o in outcomes if o.start <= t_fault[0] < o.end]
     report.in_flight = len(hit)
     report.in_flight_lost = sum(o.kind != COMPLETED for o in hit)
     return report
