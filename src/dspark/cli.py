@@ -278,6 +278,16 @@ def local_group() -> None:
     """The two-node appliance (or N nodes) on this machine, with the real vLLM CPU build."""
 
 
+def _local_nodes(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    from .local import LocalError, check_nodes
+
+    try:
+        check_nodes(value)
+    except LocalError as e:
+        raise click.BadParameter(str(e).split(": ", 1)[1]) from None
+    return value
+
+
 @local_group.command("up")
 @click.option("--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".dspark/local"),
               show_default=True, help="Where the cluster file, tiny model, logs and state go.")
@@ -285,7 +295,7 @@ def local_group() -> None:
 @click.option("--agent-port", type=int, default=8890, show_default=True, help="Agent port (each node's address).")
 @click.option("--master-port", type=int, default=29500, show_default=True, help="Rendezvous port.")
 @click.option("--compile", "compile_", is_flag=True, help="Let vLLM torch.compile the model (slow start).")
-@click.option("--nodes", type=int, default=2, show_default=True,
+@click.option("--nodes", type=int, default=2, show_default=True, callback=_local_nodes,
               help="Nodes (ranks) on 127.0.0.1 .. 127.0.0.N, tensor parallel over all of them (2 or 4).")
 def local_up_cmd(workdir: Path, api_port: int, agent_port: int, master_port: int, compile_: bool,
                  nodes: int) -> None:
