@@ -185,14 +185,19 @@ def test_assertion_a_worker_without_an_address(evaluate, cluster, rank):
                         "worker's agent there)."], node
 
 
-def test_assertion_ranks(evaluate):
-    s = settings()
-    s["nodes"][1]["rank"] = 0
-    msgs = failed(evaluate, host("spark-b", settings=s))
+@pytest.mark.parametrize("cluster,node,rank,missing,got,twice", [
+    ("pair", 1, 0, 1, "0, 0", "spark-a, spark-b"),         # the worker given the head's rank
+    ("ring", 3, 2, 3, "0, 1, 2, 2", "spark-c, spark-d"),   # two workers of the ring with one rank
+])
+def test_assertion_a_rank_given_twice_leaves_one_without_a_node(evaluate, cluster, node, rank, missing, got, twice):
+    s = settings() if cluster == "pair" else ring()
+    last = len(s["nodes"]) - 1
+    s["nodes"][node]["rank"] = rank
+    msgs = failed(evaluate, host(s["nodes"][node]["name"] if cluster == "pair" else "spark-a", settings=s))
     assert sorted(msgs) == sorted([
-        "services.dspark.settings.nodes: rank 1 has no node; ranks run 0..1 without a gap (rank 0 is the head), "
-        "one per node; got 0, 0.",
-        "services.dspark.settings.nodes: rank 0 is given to more than one node (spark-a, spark-b); "
+        f"services.dspark.settings.nodes: rank {missing} has no node; ranks run 0..{last} without a gap "
+        f"(rank 0 is the head), one per node; got {got}.",
+        f"services.dspark.settings.nodes: rank {rank} is given to more than one node ({twice}); "
         "ranks must be unique."])
 
 
@@ -322,12 +327,3 @@ def test_assertion_parallelism_not_a_whole_number_of_nodes(evaluate):
 
 
 
-def test_assertion_two_workers_with_one_rank(evaluate):
-    s = ring()
-    s["nodes"][3]["rank"] = 2  # spark-c and spark-d
-    msgs = failed(evaluate, host("spark-a", settings=s))
-    assert sorted(msgs) == sorted([
-        "services.dspark.settings.nodes: rank 3 has no node; ranks run 0..3 without a gap (rank 0 is the head), "
-        "one per node; got 0, 1, 2, 2.",
-        "services.dspark.settings.nodes: rank 2 is given to more than one node (spark-c, spark-d); "
-        "ranks must be unique."])
