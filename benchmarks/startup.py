@@ -100,7 +100,7 @@ def kill_group(p: subprocess.Popen, grace: float = 20) -> None:
 def by_hand(workdir: Path, nodes: int) -> float:
     """The rendered vLLM commands, started as a person would: each worker (once the one before
     is in the rendezvous), then the head."""
-    cluster = C.load(L.prepare(workdir, pick_ports(), nodes=nodes))
+    cluster = C.load(L.prepare(workdir, pick_ports(nodes), nodes=nodes))
     procs = []
     try:
         t0 = time.monotonic()
@@ -131,7 +131,7 @@ def by_hand(workdir: Path, nodes: int) -> float:
 def supervised(workdir: Path, nodes: int) -> tuple[float, float, float]:
     """`dspark serve` on every node, started together; returns (ready time, READY lag after the
     first outside completion, READY lag after /health first answered)."""
-    cluster_file = L.prepare(workdir, pick_ports(), nodes=nodes)
+    cluster_file = L.prepare(workdir, pick_ports(nodes), nodes=nodes)
     cluster = C.load(cluster_file)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(workdir / "head.sock"))
