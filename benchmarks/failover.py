@@ -34,12 +34,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "systemd"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("systemd", ".")]
 
 from appliance import Appliance, install  # noqa: E402
 from nspawn_container import Container, missing_requirements  # noqa: E402
 
-from dspark.local import HEAD_NAME, SERVED_NAME, node_name, valid_node_counts  # noqa: E402
+from dspark.local import HEAD_NAME, SERVED_NAME, node_name  # noqa: E402
+from pairlib import node_counts_arg  # noqa: E402
 
 COMPLETED, HTTP_ERROR, CONN_ERROR, HUNG, DROPPED = "completed", "http_error", "connection_error", "hung", "dropped"
 
@@ -191,17 +192,6 @@ def run(cases: list[str], clients: int, warmup_s: float, hang_s: float, max_toke
     return reports
 
 
-def node_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give node counts such as 2,4") from None
-    if not counts or any(n not in valid_node_counts() for n in counts):
-        raise argparse.ArgumentTypeError(f"{text!r}: the local appliance runs "
-                                         f"{' or '.join(map(str, valid_node_counts()))} nodes")
-    return counts
-
-
 def print_report(rep: Report) -> bool:
     """One case's figures; True when it went wrong (hung or dropped requests, a false alarm)."""
     total = sum(rep.counts.values())
@@ -245,7 +235,7 @@ def main() -> int:
     ap.add_argument("--recover-s", type=float, default=600, help="give up waiting for recovery after (s)")
     ap.add_argument("--case", action="append", choices=CASES,
                     help="kill, wedge or saturation; repeat for several (default: all three, in that order)")
-    ap.add_argument("--nodes", type=node_counts, default=[2], metavar="N[,N]",
+    ap.add_argument("--nodes", type=node_counts_arg, default=[2], metavar="N[,N]",
                     help="node counts to run the cases at, side by side (default 2; e.g. 2,4)")
     ap.add_argument("--worker-rank", type=int, default=None,
                     help="the worker the fault strikes (default: the highest rank)")

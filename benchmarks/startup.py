@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from pairlib import pick_ports  # noqa: E402  (free loopback ports, shared with the tests)
+from pairlib import node_counts_arg, pick_ports  # noqa: E402  (shared with the tests)
 
 from dspark import config as C  # noqa: E402
 from dspark import local as L  # noqa: E402
@@ -183,18 +183,6 @@ def help_time(n: int = 10) -> list[float]:
     return times
 
 
-def node_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--nodes {text!r}: give node counts such as 2,4") from None
-    bad = [n for n in counts if n not in L.valid_node_counts()]
-    if not counts or bad:
-        raise argparse.ArgumentTypeError(f"--nodes {text!r}: the local appliance runs "
-                                         f"{' or '.join(map(str, L.valid_node_counts()))} nodes")
-    return counts
-
-
 def measure(nodes: int, rounds: int, tmp: Path) -> dict:
     hand, sup, lag, health_lag = [], [], [], []
     for i in range(rounds):
@@ -217,7 +205,7 @@ def measure(nodes: int, rounds: int, tmp: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="pairs of runs (hand, supervised) per node count")
-    ap.add_argument("--nodes", type=node_counts, default=[2], metavar="N[,N]",
+    ap.add_argument("--nodes", type=node_counts_arg, default=[2], metavar="N[,N]",
                     help="node counts to measure, side by side (default 2; e.g. 2,4)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()

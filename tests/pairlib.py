@@ -61,6 +61,22 @@ def pick_ports(nodes: int = 2) -> "LocalPorts":
     raise RuntimeError("no free ports found for a local pair")
 
 
+def node_counts_arg(text: str) -> list[int]:
+    """A benchmark's `--nodes 2,4`: the node counts the local appliance runs (argparse type)."""
+    import argparse
+
+    from dspark.local import valid_node_counts
+
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nodes {text!r}: give node counts such as 2,4") from None
+    if not counts or any(n not in valid_node_counts() for n in counts):
+        raise argparse.ArgumentTypeError(f"--nodes {text!r}: the local appliance runs "
+                                         f"{' or '.join(map(str, valid_node_counts()))} nodes")
+    return counts
+
+
 @dataclass
 class PairHandle:
     """A running `dspark local up`: the very command the README gives."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 import sysconfig
 import time
@@ -17,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nspawn_container import ROOT, Container
+from pairlib import pick_ports  # free loopback ports, shared with the pair tests
 
-from dspark.local import (DEFAULT_NODES, HEAD_NAME, SERVED_NAME, LocalError, LocalPorts,
-                          check_ports_free, node_address, node_name)
+from dspark.local import DEFAULT_NODES, HEAD_NAME, SERVED_NAME, LocalPorts, node_address, node_name
 from dspark.units import NodeRole, node_units
 
 CLUSTER_DIR = "/srv/dspark-local"  # inside the container (outside /tmp: PrivateTmp hides that)
@@ -31,19 +30,6 @@ DSPARK = str(ROOT / ".venv" / "bin" / "dspark")
 RUNTIME = "/opt/dspark/venv"
 UNITS = ("dspark-head.service", "dspark-worker.service", "dspark-wait-worker.service",
          "dspark-worker-ready.target")  # the pair's (Appliance.units: any number of nodes)
-
-
-def free_ports(nodes: int = DEFAULT_NODES) -> LocalPorts:
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(50):
-        base = rng.randrange(21000, 29000, 10)
-        ports = LocalPorts(api=base, master=base + 1, agent=base + 2)
-        try:
-            check_ports_free(ports, nodes)  # the container shares the host's network namespace
-            return ports
-        except LocalError:
-            continue
-    raise RuntimeError("no free ports for a local pair")
 
 
 @dataclass
@@ -187,7 +173,7 @@ def install(box: Container, ports: LocalPorts | None = None, nodes: int = DEFAUL
     """Write the local cluster of `nodes` nodes into the container and install the units for
     every one of them, as shipped: they run as the dspark user, from where that user can
     execute them."""
-    ports = ports or free_ports(nodes)
+    ports = ports or pick_ports(nodes)  # the container shares the host's network namespace
     python, dspark, how = runtime(box)
     # prepare() names vLLM's CLI beside the Python that runs it: the runtime's.
     box.run(python, "-c", "import sys; from pathlib import Path; from dspark.local import prepare, LocalPorts; "
