@@ -22,8 +22,8 @@ from typing import Callable
 from . import states as A
 from . import config as C
 from .agent_client import agent_state
-from .local_model import TINY_MODEL
 from . import local_model
+from .local_model import TINY_MODEL
 
 WORKER_ADDR = "127.0.0.2"
 HEAD_ADDR = "127.0.0.1"
@@ -133,9 +133,8 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
 def prepare(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = False,
             nodes: int = DEFAULT_NODES) -> Path:
     """Write the tiny model and the cluster file under `workdir`; return the cluster file."""
-    data = cluster_dict(workdir.resolve(), ports, compile, nodes)
     workdir = workdir.resolve()
-    (workdir / "model").mkdir(parents=True, exist_ok=True)
+    data = cluster_dict(workdir, ports, compile, nodes)  # refuses a node count before anything is written
     local_model.write(workdir / "model")
     C.from_dict(data)  # the generated file must pass the same validation as a hand-written one
     path = workdir / "cluster.toml"
@@ -282,7 +281,7 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
     """Bring the appliance up, report, and supervise until Ctrl-C / SIGTERM; always stop every
     node. Each node is checked (`dspark check`) right before it starts; `check_host`: where the
     checks look (dspark.preflight.Host; default this machine)."""
-    check_nodes(nodes)
+    check_nodes(nodes)  # before the ports: a count the model cannot take is the first thing to say
     check_ports_free(ports, nodes)
     cluster_file = prepare(workdir, ports, compile, nodes)
     cluster = C.load(cluster_file)
