@@ -2,12 +2,15 @@
 
 Until a command takes SIGINT over, a Ctrl-C ends the process the way the signal's default
 would, without a traceback: nothing has started yet. The default is put back first thing, at
-import, before any other dspark module is read (an interrupted import would print one)."""
+import, before any other module is read: `_signal` is the interpreter's own built-in module,
+already loaded at start-up, so this import runs no Python code that a SIGINT could interrupt
+(`import signal` first imports `enum`, which takes about a millisecond; CI once caught a
+SIGINT inside it)."""
 
-import signal
+import _signal
 
-if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
 
 
 def main() -> None:
