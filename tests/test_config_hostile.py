@@ -115,6 +115,16 @@ def test_secret_in_extra_args_is_refused(tmp_path, args):
     assert "sk-1" not in err and "hf_x" not in err
 
 
+@pytest.mark.parametrize("command", [["vllm", "--api-key", "sk-1"], ["python3", "-m", "vllm", "--api-key=sk-1"],
+                                     ["vllm", "--hf-token=hf_x"]])
+def test_secret_in_vllm_command_is_refused(tmp_path, command):
+    # vllm_command is the argv's prefix: a secret there shows in ps and the journal like one in extra_args.
+    data = good()
+    data["serving"]["vllm_command"] = command
+    err = refused(write(tmp_path, data), "serving.vllm_command")
+    assert "sk-1" not in err and "hf_x" not in err
+
+
 @pytest.mark.parametrize("key", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY",
                                  "VLLM_API_KEY", "MY_SERVICE_PASSWORD", "GITHUB_TOKEN"])
 def test_secret_env_refused_in_shared_and_node_env(tmp_path, key):

@@ -173,7 +173,7 @@ def render_cmd(config_path: Path | None, node: str | None, as_json: bool) -> Non
     cluster = load_cluster(config_path)
     launch = render(cluster, pick_node(cluster, node))
     if as_json:
-        click.echo(json.dumps({"argv": launch.argv, "env": launch.redacted_env()}, indent=2))
+        click.echo(json.dumps({"argv": launch.redacted_argv(), "env": launch.redacted_env()}, indent=2))
     else:
         click.echo(launch.shell(), nl=False)
 

@@ -452,10 +452,11 @@ def check(c: Cluster) -> list[str]:
             elif is_secret_env(key):
                 p.append(f"{where}.{key}: a secret does not belong in the cluster file; put it in the "
                          "service's environment file (DSPARK_API_KEY=...) or the 'api-key' credential")
-    for flag in secret_args(s.extra_args):
-        p.append(f"serving.extra_args: {flag} takes a secret, which does not belong in the cluster file nor on "
-                 "vLLM's command line (ps shows it); the API key goes in the 'api-key' credential or "
-                 "DSPARK_API_KEY in the service's environment file")
+    for field, args in (("serving.extra_args", s.extra_args), ("serving.vllm_command", s.vllm_command)):
+        for flag in secret_args(args):
+            p.append(f"{field}: {flag} takes a secret, which does not belong in the cluster file nor on "
+                     "vLLM's command line (ps shows it); the API key goes in the 'api-key' credential or "
+                     "DSPARK_API_KEY in the service's environment file")
     names = [n.name for n in c.nodes]
     for dup in sorted({x for x in names if names.count(x) > 1}):
         p.append(f"nodes: the name {dup!r} is used by more than one node; give each node its own name")
