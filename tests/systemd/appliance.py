@@ -182,17 +182,21 @@ def install(box: Container, ports: LocalPorts | None = None, nodes: int = DEFAUL
     app = Appliance(box, ports, user_note=f"units run as user dspark from {how}", nodes=nodes)
     box.run(dspark, "systemd", "install", *(a for n in app.names for a in ("--node", n)),
             "--config", f"{CLUSTER_DIR}/cluster.toml", "--dspark-bin", dspark, timeout=60, check=True)
-    # The units keep PrivateTmp=yes: a checkout under /tmp (a CI clone, say) would vanish
-    # inside them, so only then the test binds it back in, read-only, over the private /tmp.
+    bind_checkout(box, [app.unit(n) for n in app.names] + ["dspark-wait-worker.service"])
+    return app
+
+
+def bind_checkout(box: Container, units: list[str]) -> None:
+    """The units keep PrivateTmp=yes: a checkout under /tmp (a CI clone, say) would vanish
+    inside them, so only then the test binds it back in, read-only, over the private /tmp."""
     checkout = Path(os.path.realpath(ROOT))
     if any(checkout.is_relative_to(t) for t in ("/tmp", "/var/tmp")):
-        for unit in [app.unit(n) for n in app.names] + ["dspark-wait-worker.service"]:
+        for unit in units:
             d = box.path(f"/etc/systemd/system/{unit}.d")
             d.mkdir(parents=True, exist_ok=True)
             (d / "91-test-checkout.conf").write_text(
                 f"# tests only: this checkout lives under a private /tmp\n[Service]\nBindReadOnlyPaths={checkout}\n")
         box.systemctl("daemon-reload", check=True)
-    return app
 
 
 if __name__ == "__main__":  # a manual look: python tests/systemd/appliance.py

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from nspawn_container import ROOT, Container, missing_requirements
+from appliance import bind_checkout, runtime
+from nspawn_container import Container, missing_requirements
 
 from dspark.local import WORKER_NAME
 
@@ -16,25 +17,21 @@ pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]
 
 CLUSTER_DIR = "/srv/dspark-check"  # inside the container, outside /tmp (PrivateTmp hides that)
-PYTHON = str(ROOT / ".venv" / "bin" / "python")
-DSPARK = str(ROOT / ".venv" / "bin" / "dspark")
 UNIT = "dspark-worker.service"
 
 
 def test_failed_check_refuses_the_start_without_restarts():
     with Container(name="dspark-check") as box:
-        box.run(PYTHON, "-c", "from pathlib import Path; from dspark.local import prepare, LocalPorts; "
+        # The unit runs as shipped: as the dspark user, from an interpreter that user can execute.
+        python, dspark, _ = runtime(box)
+        box.run(python, "-c", "from pathlib import Path; from dspark.local import prepare, LocalPorts; "
                 f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api=28101, master=28102, agent=28103))",
                 timeout=60, check=True)
         box.run("rm", f"{CLUSTER_DIR}/model/config.json", check=True)  # the model directory is broken
-        box.run(DSPARK, "systemd", "install", "--node", WORKER_NAME, "--config", f"{CLUSTER_DIR}/cluster.toml",
-                timeout=60, check=True)
-        probe = box.run("setpriv", "--reuid=dspark", "--regid=dspark", "--clear-groups", "--inh-caps=-all",
-                        "sh", "-c", 'exec "$0" -c pass', PYTHON, timeout=60)
-        if probe.returncode != 0:  # the checkout's Python is out of the dspark user's reach here
-            d = box.path(f"/etc/systemd/system/{UNIT}.d")
-            (d / "90-test-user.conf").write_text("[Service]\nUser=root\nGroup=root\n")
-            box.systemctl("daemon-reload", check=True)
+        box.run(dspark, "systemd", "install", "--node", WORKER_NAME, "--config", f"{CLUSTER_DIR}/cluster.toml",
+                "--dspark-bin", dspark, timeout=60, check=True)
+        bind_checkout(box, [UNIT])
+        assert box.show(UNIT, "User")["User"] == "dspark"
         started = box.systemctl("start", UNIT, timeout=120)
         assert started.returncode != 0
         time.sleep(6)  # three times RestartSec=: a restart would have happened by now
