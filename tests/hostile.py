@@ -15,9 +15,9 @@ MAX_HANDLER_S = 20.0  # no scripted answer runs longer than this
 
 class HostileServer:
     """`routes` maps a path to a function that answers on the handler; `seen` records every
-    request's (method, path, headers)."""
+    request's (method, path, headers). `port` 0 picks a free one."""
 
-    def __init__(self, routes: dict[str, Handler], host: str = "127.0.0.1"):
+    def __init__(self, routes: dict[str, Handler], host: str = "127.0.0.1", port: int = 0):
         self.routes = routes
         self.seen: list[tuple[str, str, dict]] = []
         self.stopping = threading.Event()
@@ -45,7 +45,7 @@ class HostileServer:
 
             do_GET = do_POST = _any
 
-        self.httpd = ThreadingHTTPServer((host, 0), H)
+        self.httpd = ThreadingHTTPServer((host, port), H)
         self.httpd.daemon_threads = True
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

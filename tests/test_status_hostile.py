@@ -1,15 +1,19 @@
-"""`dspark status` and `dspark wait-worker` when a peer's agent answers JSON that is not an
-object (issue 12, item 3): the node shows as unreachable, never a traceback."""
+"""`dspark status`, `dspark wait-worker` and a serving worker's supervisor when a peer's agent
+answers JSON that is not an object (issue 12, item 3): the node shows as unreachable, never a
+traceback; a worker whose head turns to such answers leaves the pair as from a silent head."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from dspark import config as C
-from hostile import HostileServer, answer
+from dspark.supervisor import EXIT_DIED
+from hostile import HostileServer, answer, send
 from pairlib import run_dspark
+from test_supervisor import alive, serve, write_cluster  # noqa: F401 (serve is a fixture)
 
 
 def port(server) -> int:
@@ -39,3 +43,26 @@ def test_status_and_wait_worker_with_a_non_object_agent(tmp_path, body):
         assert [n["state"] for n in snap["nodes"]] == ["unreachable", "unreachable"]
         r = run_dspark("wait-worker", "--config", str(path), "--timeout", "1", timeout=60)
         assert r.returncode == 1 and "Traceback" not in r.stderr and "is unreachable" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"x"', b"null"])
+def test_a_serving_worker_whose_head_turns_to_non_objects_leaves_the_pair_cleanly(tmp_path, serve, body):
+    cluster = write_cluster(tmp_path, nodes=2)  # head_lost_s = 2
+    head = C.load(cluster).node("h")
+    reply = {"body": json.dumps({"state": "serving", "node": "h", "rank": 0}).encode()}
+    routes = {"/state": lambda h: send(h, 200, reply["body"]), "/version": lambda h: send(h, 200, reply["body"])}
+    with HostileServer(routes, host=head.address, port=head.agent_port):  # the head's agent
+        w = serve(cluster, "w")  # the worker's real supervisor, with the stand-in vLLM
+        w.read(until="READY=1")
+        deadline = time.monotonic() + 20
+        while w.state()["state"] != "serving" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert w.state()["state"] == "serving"  # it follows the head it sees
+        pid = w.state()["vllm_pid"]
+        reply["body"] = body  # the head's agent now answers JSON that is not a state
+        rc = w.wait(timeout=30)
+        out = w.proc.stdout.read()
+    assert "Traceback" not in out, out
+    assert rc == EXIT_DIED, (rc, out[-2000:])
+    assert "pair broken" in w.messages[-1] and "unreachable" in w.messages[-1], w.messages[-3:]
+    assert not alive(pid)
