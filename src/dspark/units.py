@@ -494,17 +494,52 @@ def install(nodes: list[NodeRole], config_path: str, dspark_bin: str, root: Path
     return written, commands
 
 
+def _interpreter(path: str) -> list[str]:
+    """The interpreter a script's #! line names (none for a binary or `#!/usr/bin/env ...`)."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return []
+    if not first.startswith(b"#!"):
+        return []
+    words = first[2:].decode(errors="replace").split()
+    return [words[0]] if words and os.path.basename(words[0]) != "env" else []
+
+
+def unexecutable(dspark_bin: str, vllm_command: list[str]) -> list[str]:
+    """Why the units' user cannot execute what the units start (the dspark executable, vLLM's
+    command, the interpreters their #! lines name), by the mode bits of each file and every
+    directory above it; empty where that user does not exist (or this is root's own run)."""
+    from .preflight.model_dir import executable_by, service_user
+
+    user = service_user(USER, under_unit=False)
+    if user.name != USER:
+        return []
+    paths = [dspark_bin, *_interpreter(dspark_bin)]
+    vllm = shutil.which(vllm_command[0]) if vllm_command else None
+    if vllm:
+        paths += [vllm, *_interpreter(vllm)]
+    reasons = (executable_by(Path(p), user) for p in dict.fromkeys(os.path.realpath(p) for p in paths))
+    return [r for r in reasons if r]
+
+
 # ------------------------------------------------------------------------------ CLI
 def _config_file(config_path: Path | None) -> str:
     """The cluster file's absolute path, as the drop-ins name it for the units."""
     return os.path.abspath(config_path or DEFAULT_CONFIG)
 
 
-def _roles(config_path: Path | None, names: tuple[str, ...]) -> list[NodeRole]:
-    from .cli import load_cluster, pick_node
+def _roles(cluster, names: tuple[str, ...]) -> list[NodeRole]:
+    from .cli import pick_node
 
-    cluster = load_cluster(config_path)
     return [NodeRole(n.name, n.is_head) for n in (pick_node(cluster, name) for name in names)]
+
+
+def _cluster(config_path: Path | None):
+    from .cli import load_cluster
+
+    return load_cluster(config_path)
 
 
 def _fail(message: str, code: int = 1):
@@ -540,7 +575,7 @@ def render_cmd(nodes: tuple[str, ...], config_path: Path | None, out: Path | Non
     files = render_units(_bin(dspark_bin))
     if nodes:
         try:
-            files.update(node_dropins(_roles(config_path, nodes), _config_file(config_path)))
+            files.update(node_dropins(_roles(_cluster(config_path), nodes), _config_file(config_path)))
         except ValueError as e:
             _fail(str(e), 2)
     if out is not None:
@@ -563,9 +598,11 @@ def install_cmd(nodes: tuple[str, ...], config_path: Path | None, root: Path, ds
     user (systemd-sysusers) and reload systemd. Then: systemctl start dspark-worker (a worker;
     dspark-worker@NODE for each of several workers on one host) or dspark-head (rank 0);
     `systemctl enable` them to start at boot."""
-    roles = _roles(config_path, nodes)
+    cluster = _cluster(config_path)
+    roles = _roles(cluster, nodes)
+    dspark_bin = _bin(dspark_bin)
     try:
-        written, commands = install(roles, _config_file(config_path), _bin(dspark_bin), root)
+        written, commands = install(roles, _config_file(config_path), dspark_bin, root)
     except ValueError as e:
         _fail(str(e), 2)
     except (OSError, subprocess.CalledProcessError) as e:
@@ -576,6 +613,12 @@ def install_cmd(nodes: tuple[str, ...], config_path: Path | None, root: Path, ds
         click.echo("ran " + " ".join(cmd))
     if not systemd_running(root):
         click.echo("systemd is not running here (or --root was given): nothing reloaded")
+    else:
+        for why in unexecutable(dspark_bin, cluster.serving.vllm_command):
+            click.secho(f"warning: the units run as user {USER}, who cannot execute what they start: {why}. "
+                        f"Install dspark and the runtime where {USER} can (not under /root or a home directory "
+                        "closed to others: a virtual environment under /opt/dspark, say) and pass --dspark-bin",
+                        fg="yellow", err=True)
     units = node_units(roles)
     # Workers first: the head waits for them (and starts this host's own on its own).
     order = " ".join(units[r.name] for r in sorted(roles, key=lambda r: r.is_head))

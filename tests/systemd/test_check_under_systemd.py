@@ -1,6 +1,7 @@
 """dspark check under a real systemd: the worker unit runs `dspark serve --check`; a failing
 check ends the start with exit 2, systemd does not restart it (RestartPreventExitStatus=2),
-and `systemctl status` shows why. No vLLM is started: the check refuses before it."""
+and `systemctl status` shows why. No vLLM is started: the check refuses before it. And
+`dspark systemd install` says when the units' user cannot execute what the units start."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from appliance import bind_checkout, runtime
+from appliance import DSPARK, PYTHON, _dspark_can_execute, bind_checkout, runtime
 from nspawn_container import Container, missing_requirements
 
 from dspark.local import WORKER_NAME
@@ -49,3 +50,24 @@ def test_failed_check_refuses_the_start_without_restarts():
         lines = [m for _, m in box.journal(UNIT)]
         assert any("check warn  gpu" in m for m in lines)  # warnings are logged too
         assert not any("starting vLLM" in m for m in lines)
+
+
+def test_install_says_when_the_service_user_cannot_execute_what_the_units_start():
+    with Container(name="dspark-install") as box:
+        python, dspark, _ = runtime(box)  # the dspark user exists from here on
+        box.run(python, "-c", "from pathlib import Path; from dspark.local import prepare, LocalPorts; "
+                f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api=28111, master=28112, agent=28113))",
+                timeout=60, check=True)
+        install = ("systemd", "install", "--node", WORKER_NAME, "--config", f"{CLUSTER_DIR}/cluster.toml")
+        # The checkout's own dspark (its #! names the checkout venv's Python): whether the dspark
+        # user can run it is asked of the kernel by a real exec as that user, and the warning
+        # from the mode bits must agree.
+        reachable = _dspark_can_execute(box, PYTHON)
+        r = box.run(DSPARK, *install, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert ("cannot execute" in r.stderr) == (not reachable), (reachable, r.stderr)
+        if not reachable:
+            assert "--dspark-bin" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        # What the units run as shipped (runtime() checked it with a real exec): no warning.
+        r = box.run(dspark, *install, "--dspark-bin", dspark, timeout=60)
+        assert r.returncode == 0 and "cannot execute" not in r.stderr, r.stderr

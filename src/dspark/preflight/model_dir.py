@@ -50,6 +50,16 @@ def _has_uid(uid: int) -> bool:
 def readable_by(path: Path, user: ServiceUser) -> str | None:
     """Why `user` cannot read `path` (a file, or list a directory) by its mode bits and those of
     every directory above it, or None. ACLs and the units' sandbox are not modelled."""
+    return _denied(path, user, execute=False)
+
+
+def executable_by(path: Path, user: ServiceUser) -> str | None:
+    """Why `user` cannot execute `path` (read and execute it: a script is read by its
+    interpreter) by the mode bits of it and every directory above it, or None."""
+    return _denied(path, user, execute=True)
+
+
+def _denied(path: Path, user: ServiceUser, execute: bool) -> str | None:
     if user.uid == 0:
         return None
     path = Path(os.path.abspath(path))
@@ -60,7 +70,12 @@ def readable_by(path: Path, user: ServiceUser) -> str | None:
         except OSError as e:
             return f"{p}: {e.strerror}"
         last = i == len(chain) - 1
-        need = (stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(st.st_mode) else 0)) if last else stat.S_IXOTH
+        if not last:
+            need = stat.S_IXOTH
+        elif execute or stat.S_ISDIR(st.st_mode):
+            need = stat.S_IROTH | stat.S_IXOTH
+        else:
+            need = stat.S_IROTH
         if st.st_uid == user.uid:
             bits = (st.st_mode >> 6) & 7
         elif st.st_gid in user.gids:
@@ -68,7 +83,7 @@ def readable_by(path: Path, user: ServiceUser) -> str | None:
         else:
             bits = st.st_mode & 7
         if bits & need != need:
-            what = "read" if last else "enter"
+            what = ("execute" if execute else "read") if last else "enter"
             return f"{p} (mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}) does not let {user.name} {what} it"
     return None
 
