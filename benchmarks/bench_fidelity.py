@@ -2,8 +2,8 @@
 own client (`vllm bench serve`) measures on the same server and the same workload, run back
 to back. Target: dspark / vLLM between 0.95 and 1.05 at every concurrency.
 
-Same workload, exactly: the server runs with --skip-tokenizer-init, so both clients must
-send token-id prompts. `vllm bench serve` does that with its `timed_trace` dataset, which
+Same workload, exactly: both clients send token-id prompts (the server's tokenizer never
+decides a prompt's length). `vllm bench serve` does that with its `timed_trace` dataset, which
 needs a tokenizer client-side: a word-level tokenizer (token i <-> word "t{i}") is built
 offline with `tokenizers` into a temporary directory and passed with --tokenizer. vLLM's own
 dataset code (run here with the same PYTHONHASHSEED as the benchmark process) yields the
@@ -246,7 +246,7 @@ def main() -> int:
                             f"{x['server']['requests']:.0f} / {x['server']['prefix_cache_hits']:.0f}"
                             for x in row[tool])
             print(f"- c={row['concurrency']} {tool}: {srv}")
-    print("(the supervisor's liveness probe adds 1 prompt and 1 generation token every 5 s)")
+    print("(the supervisor's liveness probe adds 1 prompt and 1 generation token whenever it finds the engine idle)")
     if a.json:
         a.json.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(a).items()}}, indent=2))
     return 0 if ok else 1

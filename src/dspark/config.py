@@ -148,7 +148,7 @@ class ServingConfig:
 class SupervisorConfig:
     ready_timeout_s: float = _f(1800.0, help="Give up (exit 'never ready') if vLLM is not serving by then.",
                                 example=1800.0, bounds=(0, DAY_S), positive=True)
-    liveness_interval_s: float = _f(5.0, help="Seconds between real 1-token liveness completions on the head.",
+    liveness_interval_s: float = _f(5.0, help="Seconds between the head's liveness rounds: a /metrics reading (progress while requests run or wait), and a real 1-token completion only while the engine is idle.",
                                     example=5.0, bounds=(0, 3600.0), positive=True)
     liveness_timeout_s: float = _f(10.0, help="A liveness completion slower than this counts as failed.",
                                    example=10.0, bounds=(0, 3600.0), positive=True)

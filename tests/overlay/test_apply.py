@@ -124,3 +124,17 @@ def test_second_apply_is_refused(tmp_path, stock_site):
 def test_missing_tree_is_a_clear_error(tmp_path):
     with pytest.raises(OverlayError, match="no vllm package"):
         apply_series(tmp_path, OVERLAY_DIR)
+
+
+HEADER_FIELDS = ("What:", "Why:", "Upstream:", "Seed behaviour:", "Drop when:")
+
+
+@pytest.mark.parametrize("name", [p.name for p in read_series(OVERLAY_DIR)])
+def test_every_patch_header_says_what_why_upstream_seed_and_when_to_drop(name):
+    text = (OVERLAY_DIR / name).read_text()
+    header = text[:text.index("\ndiff --git ")]
+    lines = header.splitlines()
+    for field in HEADER_FIELDS:
+        hits = [ln for ln in lines if ln.startswith(field)]
+        assert len(hits) == 1, f"{name}: {field} appears {len(hits)} times in the header"
+        assert hits[0][len(field):].strip(), f"{name}: {field} is empty"
