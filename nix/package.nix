@@ -6,6 +6,8 @@
 let
   project = (lib.importTOML ../pyproject.toml).project;
   python = python3Packages.python;
+  # Which of the project's tests the check phase runs (replayed by tests/nix/test_package_tests.py).
+  tests = lib.importJSON ./package-tests.json;
 in
 python3Packages.buildPythonApplication {
   pname = project.name;
@@ -14,11 +16,7 @@ python3Packages.buildPythonApplication {
 
   src = lib.fileset.toSource {
     root = ../.;
-    fileset = lib.fileset.unions [
-      ../pyproject.toml
-      ../src
-      (lib.fileset.maybeMissing ../README.md)
-    ];
+    fileset = lib.fileset.unions (map (p: ../. + "/${p}") tests.source);
   };
 
   build-system = [ python3Packages.setuptools ];
@@ -37,6 +35,17 @@ python3Packages.buildPythonApplication {
   '';
 
   pythonImportsCheck = [ "dspark" ];
+
+  # The tests that need neither vLLM nor the local pair, systemd, Nix or a browser, against
+  # the installed package (`nix flake check` runs them through checks.dspark).
+  nativeCheckInputs = [ python3Packages.pytestCheckHook ];
+  pytestFlagsArray = tests.paths ++ [
+    "-p"
+    "no:cacheprovider"
+    "-m"
+    tests.markers
+  ];
+  disabledTests = tests.disabled;
 
   meta = {
     description = project.description;
