@@ -521,7 +521,7 @@ def unexecutable(dspark_bin: str, vllm_command: list[str]) -> list[str]:
     if vllm:
         paths += [vllm, *_interpreter(vllm)]
     reasons = (executable_by(Path(p), user) for p in dict.fromkeys(os.path.realpath(p) for p in paths))
-    return [r for r in reasons if r]
+    return list(dict.fromkeys(r for r in reasons if r))  # one line per directory that stops it
 
 
 # ------------------------------------------------------------------------------ CLI
