@@ -36,6 +36,7 @@ from pairlib import start_pair  # noqa: E402  (`dspark local up` on free loopbac
 from dspark.bench import decode, prompts  # noqa: E402
 from dspark.bench.client import Target, describe, scrape  # noqa: E402
 from dspark.bench.metrics import window  # noqa: E402
+from dspark import vllm_facts as F  # noqa: E402
 
 HASH_SEED = "0"        # PYTHONHASHSEED of both the prompt derivation and `vllm bench serve`
 CHUNK = 16             # timed_trace: tokens per hash id
@@ -118,9 +119,14 @@ def derive_prompts(jobs: list[list[str]], workdir: Path) -> list[list[list[int]]
 def server_work(target: Target, model: str, fn):
     before = scrape(target, model)
     result = fn()
-    w = window(before, scrape(target, model))
+    after = scrape(target, model)
+    w = window(before, after)
+    # vLLM's own end-to-end latency (arrival to finish, server clock) summed over the run's
+    # requests: it tells a slower server apart from a client that measures more than the server.
+    e2e = [x.hist_sum(F.E2E) for x in (before, after)]
     return result, {"prompt_tokens": w.prompt_tokens, "generation_tokens": w.generation_tokens,
-                    "requests": w.requests_finished, "prefix_cache_hits": w.prefix_cache_hits}
+                    "requests": w.requests_finished, "prefix_cache_hits": w.prefix_cache_hits,
+                    "e2e_sum_s": None if None in e2e else e2e[1] - e2e[0]}
 
 
 def run_vllm(argv: list[str], result_file: Path) -> dict:
@@ -239,11 +245,14 @@ def main() -> int:
         print(f"| {row['concurrency']} | {row['dspark_tok_s']:.1f} ({ds}) | {row['vllm_tok_s']:.1f} ({vs}) | {pr} | "
               f"{row['ratio']:.3f} | {row['ratio_of_medians']:.3f} | {'yes' if inside else 'NO'} |")
     print()
-    print("Server-side work per run (prompt tokens / generation tokens / finished requests / prefix-cache hits):")
+    print("Server-side work per run (prompt tokens / generation tokens / finished requests / prefix-cache hits"
+          " / vLLM's summed end-to-end request latency vs the client's run duration x concurrency):")
     for row in rows:
         for tool in ("dspark", "vllm"):
             srv = "; ".join(f"{x['server']['prompt_tokens']:.0f} / {x['server']['generation_tokens']:.0f} / "
-                            f"{x['server']['requests']:.0f} / {x['server']['prefix_cache_hits']:.0f}"
+                            f"{x['server']['requests']:.0f} / {x['server']['prefix_cache_hits']:.0f} / "
+                            + (f"{x['server']['e2e_sum_s']:.2f} s vs {x['duration_s'] * row['concurrency']:.2f} s"
+                               if x['server'].get('e2e_sum_s') is not None else "n/a")
                             for x in row[tool])
             print(f"- c={row['concurrency']} {tool}: {srv}")
     print("(the supervisor's liveness probe adds 1 prompt and 1 generation token whenever it finds the engine idle)")
