@@ -161,11 +161,15 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--input-len", type=int, default=128, help="Keep <= the KV block size: no prefix-cache hits")
     ap.add_argument("--rounds", type=int, default=1, help="Requests per level = concurrency x rounds")
-    ap.add_argument("--repeats", type=int, default=3, help="Back-to-back pairs of runs per level (order alternates)")
+    ap.add_argument("--repeats", type=int, default=4,
+                    help="Back-to-back pairs of runs per level; the order alternates, so an even number lets "
+                         "each client go first equally often")
     ap.add_argument("--vocab-size", type=int, default=4096, help="Token ids vLLM's client draws from: [0, N)")
     ap.add_argument("--json", type=Path, help="Also write every figure here")
     ap.add_argument("--workdir", type=Path, help="Keep traces, tokenizer and vLLM's result files here")
     a = ap.parse_args()
+    if a.repeats < 2 or a.repeats % 2:
+        ap.error(f"--repeats must be even and at least 2 (each client first equally often), got {a.repeats}")
     levels = [int(x) for x in a.concurrency.split(",")]
 
     with tempfile.TemporaryDirectory(prefix="dspark-fidelity-") as tmp:
