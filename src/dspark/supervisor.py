@@ -32,7 +32,6 @@ from .node_policy import (  # noqa: F401 (re-exported: the CLI, units and tests 
 from .notify import Notifier
 from .probes import Background, VllmProbes, liveness_round, poll_agents, ready_probe
 from .render import Launch, render
-from .secret_policy import redact_args
 from .signals import SignalQueue
 from .vllm_process import VllmProcess
 
@@ -224,7 +223,7 @@ class Supervisor:
             elif k == "extend":
                 self.notify.extend_timeout(a.seconds)
             elif k == "start_vllm":
-                self.say("starting vLLM: " + " ".join(redact_args(self.vllm.launch.argv)))
+                self.say("starting vLLM: " + " ".join(self.vllm.launch.redacted_argv()))
                 self.vllm.start()
                 with self._lock:
                     self.state.vllm_pid = self.vllm.pid

@@ -18,6 +18,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from nix_support import REPO
 
@@ -42,7 +43,7 @@ def _netns_available() -> bool:
 
 def _pinned(requirement: str) -> str:
     """A declared dependency at the version the test venv has (no resolution of its own)."""
-    name = requirement.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip()
+    name = Requirement(requirement).name
     return f"{name}=={md.version(name)}"
 
 
