@@ -96,7 +96,6 @@ let
   known = self != null;
   isHead = known && self.rank == 0;
   duplicates = xs: lib.unique (lib.filter (x: lib.count (y: y == x) xs > 1) xs);
-  inStore = p: lib.hasPrefix "${builtins.storeDir}/" (toString p);
 
   # The file both nodes read: null (unset optional fields) is left out, as TOML has no null.
   dropNulls =
@@ -113,21 +112,53 @@ let
     DSPARK_NODE = cfg.node;
     DSPARK_CONFIG = configPath;
   };
-  # Secrets reach the units from outside the store: an environment file and/or a systemd
-  # credential that the supervisor reads from $CREDENTIALS_DIRECTORY/api-key.
-  secretServiceConfig = {
-    EnvironmentFile = mkIf (cfg.environmentFile != null) cfg.environmentFile;
-    LoadCredential = mkIf (cfg.apiKeyFile != null) "api-key:${cfg.apiKeyFile}";
+  wantedBy = optional cfg.autoStart "multi-user.target";
+  # Secrets reach the units from outside the store: an environment file (every node's unit) and
+  # the API key as the systemd credential `api-key`, which only the head's units read (from
+  # $CREDENTIALS_DIRECTORY/api-key): a worker serves no API, and a credential it never reads
+  # would still fail its start (243/CREDENTIALS) where the file is missing.
+  userConfig = {
+    User = "dspark";
+    Group = "dspark";
+  }
+  // lib.optionalAttrs (cfg.environmentFile != null) { EnvironmentFile = cfg.environmentFile; };
+  # With SetCredential= as a fallback, systemd starts the unit even where the key file is missing
+  # (exec-credential.c: a missing LoadCredential= source is not fatal when SetCredential= has the
+  # same name); `dspark serve` then finds this marker and refuses with the file's name
+  # (DSPARK_API_KEY_FILE) instead of systemd's bare 243/CREDENTIALS. The marker is
+  # dspark.credentials.NO_KEY_FILE; systemd 252 ignores an empty SetCredential= value.
+  apiKeyConfig = lib.optionalAttrs (cfg.apiKeyFile != null) {
+    LoadCredential = "api-key:${cfg.apiKeyFile}";
+    SetCredential = "api-key:dspark:no-key-file";
   };
-  mainUnit = {
-    wantedBy = optional cfg.autoStart "multi-user.target";
-    environment = unitEnvironment;
-    restartTriggers = [ clusterFile ];
-    serviceConfig = secretServiceConfig // {
-      User = "dspark";
-      Group = "dspark";
+  apiKeyEnvironment = lib.optionalAttrs (cfg.apiKeyFile != null) {
+    DSPARK_API_KEY_FILE = cfg.apiKeyFile;
+  };
+
+  # What the firewall must let through between the nodes, and what is left open to clients.
+  fabric = if known then self.socket_ifname else null;
+  firewallOn = config.networking.firewall.enable;
+  fabricTrusted = fabric != null && lib.elem fabric config.networking.firewall.trustedInterfaces;
+  onFabric = if fabric != null then "on ${fabric}" else "on its fabric interface (no socket_ifname)";
+  fabricPorts =
+    lib.optional isHead "the rendezvous port ${toString self.master_port}"
+    ++ [ "the agent port ${toString self.agent_port}" ];
+  blockedFabricWarning = "services.dspark: the NixOS firewall is on and services.dspark.openFirewall is off, so node \"${cfg.node}\" (${
+    if isHead then "the head" else "a worker"
+  }) blocks what the other nodes must reach ${onFabric}: ${lib.concatStringsSep ", " fabricPorts} and the NCCL/Gloo ports, which NCCL picks at run time; the cluster cannot form. Set services.dspark.openFirewall = true, or trust the fabric interface yourself (networking.firewall.trustedInterfaces = [ \"${
+    if fabric != null then fabric else "<fabric interface>"
+  }\" ]).";
+  openApiWarning = "services.dspark.openFirewall opens the head's API port ${toString self.api_port} on every interface, and no API key is set (services.dspark.apiKeyFile, or DSPARK_API_KEY in services.dspark.environmentFile): anyone who reaches this host can use the model. Set services.dspark.apiKeyFile, or leave openFirewall off and open the API port only where the clients are.";
+
+  # A file the units read at start, named as a string: an absolute path outside the store (a
+  # relative path means nothing to systemd; a path literal would be copied into the store).
+  secretFile =
+    example: description:
+    mkOption {
+      type = types.nullOr types.externalPath;
+      default = null;
+      inherit example description;
     };
-  };
 in
 {
   options.services.dspark = {
@@ -227,25 +258,18 @@ in
       };
     };
 
-    environmentFile = mkOption {
-      type = types.nullOr types.str;
-      default = null;
-      example = "/run/secrets/dspark.env";
-      description = ''
-        A file outside the Nix store with `KEY=value` lines for the units, for example
-        `DSPARK_API_KEY=...` (or `VLLM_API_KEY`), the key clients must present to the head.
-      '';
-    };
+    environmentFile = secretFile "/run/secrets/dspark.env" ''
+      A file outside the Nix store (an absolute path, as a string) with `KEY=value` lines for
+      every node's unit, for example `DSPARK_API_KEY=...` (or `VLLM_API_KEY`), the key clients
+      must present to the head, or `HF_TOKEN`.
+    '';
 
-    apiKeyFile = mkOption {
-      type = types.nullOr types.str;
-      default = null;
-      example = "/run/secrets/dspark-api-key";
-      description = ''
-        A file outside the Nix store holding the API key, handed to the units as the systemd
-        credential `api-key` (read from `$CREDENTIALS_DIRECTORY/api-key`).
-      '';
-    };
+    apiKeyFile = secretFile "/run/secrets/dspark-api-key" ''
+      A file outside the Nix store (an absolute path, as a string, readable by root) holding the
+      API key clients must present to the head. Only the head's units get it, as the systemd
+      credential `api-key`; a worker serves no API. Where the file is missing or empty,
+      `dspark serve` on the head refuses to start and names it (exit 2, no restart).
+    '';
 
     autoStart = mkOption {
       type = types.bool;
@@ -313,18 +337,16 @@ in
           message = "services.dspark: no vLLM to run; set services.dspark.runtimePackage (the flake's runtime, aarch64-linux) or settings.serving.vllm_command.";
         }
         {
-          assertion = cfg.environmentFile == null || !inStore cfg.environmentFile;
-          message = "services.dspark.environmentFile is in the Nix store, which every user can read; keep secrets in a file outside it.";
-        }
-        {
-          assertion = cfg.apiKeyFile == null || !inStore cfg.apiKeyFile;
-          message = "services.dspark.apiKeyFile is in the Nix store, which every user can read; keep the key in a file outside it.";
-        }
-        {
           assertion = !cfg.dashboard.enable || !known || isHead;
           message = "services.dspark.dashboard.enable: the dashboard runs on the head; enable it in the head's configuration.";
         }
       ];
+
+      warnings =
+        optional (known && firewallOn && !cfg.openFirewall && !fabricTrusted) blockedFabricWarning
+        ++ optional (
+          isHead && cfg.openFirewall && cfg.apiKeyFile == null && cfg.environmentFile == null
+        ) openApiWarning;
 
       environment.etc."dspark/cluster.toml".source = clusterFile;
       systemd.packages = [ cfg.package ];
@@ -339,8 +361,22 @@ in
       users.groups.dspark = { };
     }
 
+    # Every unit file comes from the package (systemd.packages); those of the other role, and
+    # those this host does not run, are masked (enable = false: NixOS links them to /dev/null over
+    # the package's file), so that starting one by hand says "masked" instead of running a second
+    # copy of this host's node under another unit's name. dspark-worker@.service is for a host
+    # running several workers, which this module (one node per host) never does.
+    (mkIf known {
+      systemd.services."dspark-worker@".enable = false;
+    })
+
     (mkIf isHead {
-      systemd.services.dspark-head = mainUnit;
+      systemd.services.dspark-head = {
+        inherit wantedBy;
+        environment = unitEnvironment // apiKeyEnvironment;
+        restartTriggers = [ clusterFile ];
+        serviceConfig = userConfig // apiKeyConfig;
+      };
       # The head's dspark-worker-ready.target requires this oneshot, which waits for every
       # worker's agent listed in the same cluster file (one host per node: all are remote).
       systemd.services.dspark-wait-worker = {
@@ -350,32 +386,39 @@ in
           Group = "dspark";
         };
       };
-      systemd.services.dspark-dashboard = mkIf cfg.dashboard.enable {
-        wantedBy = [ "multi-user.target" ];
-        environment = unitEnvironment;
-        serviceConfig = secretServiceConfig // {
-          User = "dspark";
-          Group = "dspark";
-        };
-      };
+      systemd.services.dspark-dashboard =
+        if cfg.dashboard.enable then
+          {
+            inherit wantedBy;
+            environment = unitEnvironment;
+            restartTriggers = [ clusterFile ];
+            serviceConfig = userConfig // apiKeyConfig;
+          }
+        else
+          { enable = false; };
+      systemd.services.dspark-worker.enable = false;
       networking.firewall.allowedTCPPorts = mkIf cfg.openFirewall [ self.api_port ];
     })
 
     (mkIf (known && !isHead) {
-      systemd.services.dspark-worker = mainUnit;
+      systemd.services.dspark-worker = {
+        inherit wantedBy;
+        environment = unitEnvironment;
+        restartTriggers = [ clusterFile ];
+        serviceConfig = userConfig;
+      };
+      systemd.services.dspark-head.enable = false;
+      systemd.services.dspark-wait-worker.enable = false;
+      systemd.services.dspark-dashboard.enable = false;
+      systemd.targets.dspark-worker-ready.enable = false;
     })
 
-    (mkIf (cfg.openFirewall && known) (
-      let
-        fabric = self.socket_ifname;
-      in
-      {
-        networking.firewall.trustedInterfaces = mkIf (fabric != null) [ fabric ];
-        networking.firewall.allowedTCPPorts = mkIf (fabric == null) (
-          [ self.agent_port ] ++ optional isHead self.master_port
-        );
-        warnings = optional (fabric == null) "services.dspark.openFirewall: node \"${cfg.node}\" has no socket_ifname, so only the rendezvous and agent ports are open; NCCL and Gloo pick their ports at run time and need the fabric interface trusted (set socket_ifname).";
-      }
-    ))
+    (mkIf (cfg.openFirewall && known) {
+      networking.firewall.trustedInterfaces = mkIf (fabric != null) [ fabric ];
+      networking.firewall.allowedTCPPorts = mkIf (fabric == null) (
+        [ self.agent_port ] ++ optional isHead self.master_port
+      );
+      warnings = optional (fabric == null) "services.dspark.openFirewall: node \"${cfg.node}\" has no socket_ifname, so only the rendezvous and agent ports are open; NCCL and Gloo pick their ports at run time and need the fabric interface trusted (set socket_ifname).";
+    })
   ]);
 }

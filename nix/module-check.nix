@@ -1,5 +1,5 @@
 # `nix flake check`: an example host's NixOS configuration evaluates with no failed assertion, and
-# what the module enables for its role is written out.
+# what the module enables (and masks) for its role, with its warnings, is written out.
 {
   lib,
   writeText,
@@ -16,6 +16,13 @@ else
   writeText "dspark-module-${name}.json" (
     builtins.toJSON {
       inherit (config.services.dspark) node;
-      units = lib.filter (lib.hasPrefix "dspark-") (lib.attrNames config.systemd.services);
+      # The units this host runs, and those of the other role it masks (enable = false).
+      units = lib.attrNames (lib.filterAttrs (n: s: lib.hasPrefix "dspark-" n && s.enable) config.systemd.services);
+      masked = lib.attrNames (
+        lib.filterAttrs (n: s: lib.hasPrefix "dspark-" n && !s.enable) (
+          config.systemd.services // config.systemd.targets
+        )
+      );
+      inherit (config) warnings;
     }
   )

@@ -203,6 +203,12 @@ def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None
 
     cluster = load_cluster(config_path)
     this = pick_node(cluster, node)
+    if this.is_head:  # the API is the head's: a key file it was given must hold a key
+        from .credentials import api_key_refusal
+
+        refusal = api_key_refusal()
+        if refusal:
+            fail(refusal, EXIT_CONFIG)
     from . import preflight as P
 
     if preflight:

@@ -31,6 +31,8 @@ let
     ];
   };
   config = evaluated.config;
+  enabled = lib.filterAttrs (_: u: u.enable);
+  disabled = suffix: units: map (n: "${n}.${suffix}") (lib.attrNames (lib.filterAttrs (_: u: !u.enable) units));
 in
 {
   failedAssertions = map (a: a.message) (lib.filter (a: !a.assertion) config.assertions);
@@ -38,9 +40,12 @@ in
   services = lib.mapAttrs (_: s: {
     inherit (s) wantedBy environment serviceConfig;
     restartTriggers = map (t: t.generatedFile or t) s.restartTriggers;
-  }) config.systemd.services;
+  }) (enabled config.systemd.services);
+  targets = lib.attrNames (enabled config.systemd.targets);
+  # Units set to enable = false: NixOS links them to /dev/null, masking the package's unit file.
+  masked = lib.sort lib.lessThan (disabled "service" config.systemd.services ++ disabled "target" config.systemd.targets);
   packages = map (p: p.name) config.systemd.packages;
   etc = lib.mapAttrs (_: e: e.source) config.environment.etc;
-  firewall = config.networking.firewall;
+  firewall = { inherit (config.networking.firewall) allowedTCPPorts trustedInterfaces; };
   users = config.users;
 }

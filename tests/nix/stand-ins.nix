@@ -32,6 +32,12 @@ let
   };
   unit = types.submodule {
     options = {
+      # NixOS: false makes the unit a symlink to /dev/null (masked), also over a unit of the same
+      # name from systemd.packages.
+      enable = mkOption {
+        type = types.bool;
+        default = true;
+      };
       wantedBy = mkOption {
         type = types.listOf types.str;
         default = [ ];
@@ -86,6 +92,10 @@ in
       default = "nixos";
     };
     networking.firewall = {
+      enable = mkOption {
+        type = types.bool;
+        default = true;
+      };
       allowedTCPPorts = listOf types.port;
       trustedInterfaces = listOf types.str;
     };

@@ -118,13 +118,25 @@ def test_template_hosts_evaluate_as_head_and_worker(nix_instantiate, nixpkgs_lib
         }}).config;
       in lib.mapAttrs (_: host: let c = eval host; in {{
         failed = map (a: a.message) (lib.filter (a: !a.assertion) c.assertions);
-        units = builtins.attrNames c.systemd.services;
+        inherit (c) warnings;
+        units = builtins.attrNames (lib.filterAttrs (_: s: s.enable) c.systemd.services);
+        masked = builtins.attrNames (lib.filterAttrs (_: s: !s.enable) (c.systemd.services // c.systemd.targets));
+        credential = lib.mapAttrs (_: s: s.serviceConfig.LoadCredential or null)
+          (lib.filterAttrs (_: s: s.enable) c.systemd.services);
         unfree = c.nixpkgs.config.allowUnfree;
       }}) hosts"""
     out = nix_eval(nix_instantiate, expr)
+    # The example sets apiKeyFile and openFirewall for both hosts: no warning, and only the head's
+    # units get the key.
+    key = "api-key:/run/secrets/dspark-api-key"
     assert out == {
-        "spark-a": {"failed": [], "units": ["dspark-head", "dspark-wait-worker"], "unfree": True},
-        "spark-b": {"failed": [], "units": ["dspark-worker"], "unfree": True},
+        "spark-a": {"failed": [], "warnings": [], "units": ["dspark-head", "dspark-wait-worker"],
+                    "masked": ["dspark-dashboard", "dspark-worker", "dspark-worker@"],
+                    "credential": {"dspark-head": key, "dspark-wait-worker": None}, "unfree": True},
+        "spark-b": {"failed": [], "warnings": [], "units": ["dspark-worker"],
+                    "masked": ["dspark-dashboard", "dspark-head", "dspark-wait-worker", "dspark-worker-ready",
+                               "dspark-worker@"],
+                    "credential": {"dspark-worker": None}, "unfree": True},
     }
     # The repository's flake and the template's flake build their hosts from the same files.
     for flake in ("flake.nix", "nix/template/flake.nix"):

@@ -6,10 +6,13 @@ The module is reached through the flake's nixosModules.default, as users import 
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
 
 import pytest
 
 from dspark import config as dspark_config
+from dspark import credentials, units
 from nix_support import NixError, nix_eval, to_nix
 
 pytestmark = pytest.mark.nix
@@ -125,7 +128,7 @@ def test_firewall_closed_by_default(evaluate):
 
 
 def test_firewall_head_opens_the_api_and_trusts_the_fabric(evaluate):
-    out = evaluate(host("spark-a", openFirewall=True))
+    out = evaluate(host("spark-a", openFirewall=True, apiKeyFile="/run/secrets/dspark-api-key"))
     assert out["firewall"] == {"allowedTCPPorts": [8888], "trustedInterfaces": ["enp1s0f0np0"]}
     assert out["warnings"] == []
 
@@ -133,6 +136,49 @@ def test_firewall_head_opens_the_api_and_trusts_the_fabric(evaluate):
 def test_firewall_worker_trusts_the_fabric_but_has_no_api(evaluate):
     out = evaluate(host("spark-b", openFirewall=True))
     assert out["firewall"] == {"allowedTCPPorts": [], "trustedInterfaces": ["enp1s0f0np0"]}
+    assert out["warnings"] == []  # no API on a worker: nothing open without a key
+
+
+# ------------------------------------------------------------------ warnings
+def test_warning_fabric_ports_blocked_by_the_firewall_on_the_head(evaluate):
+    (msg,) = evaluate(host("spark-a"))["warnings"]  # openFirewall off, the NixOS firewall on (its default)
+    assert msg == ('services.dspark: the NixOS firewall is on and services.dspark.openFirewall is off, so node '
+                   '"spark-a" (the head) blocks what the other nodes must reach on enp1s0f0np0: the rendezvous '
+                   'port 25000, the agent port 8890 and the NCCL/Gloo ports, which NCCL picks at run time; the '
+                   'cluster cannot form. Set services.dspark.openFirewall = true, or trust the fabric interface '
+                   'yourself (networking.firewall.trustedInterfaces = [ "enp1s0f0np0" ]).')
+
+
+def test_warning_fabric_ports_blocked_on_a_worker_names_its_own_ports(evaluate):
+    s = settings()
+    s["nodes"][1].pop("socket_ifname")
+    s["nodes"][1]["agent_port"] = 9101
+    (msg,) = evaluate(host("spark-b", settings=s))["warnings"]
+    assert '"spark-b" (a worker)' in msg and "the agent port 9101 and the NCCL/Gloo ports" in msg
+    assert "rendezvous" not in msg  # a worker connects to the head's rendezvous port, it opens none
+    assert "on its fabric interface (no socket_ifname)" in msg
+
+
+@pytest.mark.parametrize("node", ["spark-a", "spark-b"])
+def test_no_fabric_warning_when_the_ports_are_open(evaluate, node):
+    assert evaluate(host(node, raw="openFirewall = true; apiKeyFile = \"/run/k\";"))["warnings"] == []
+    no_firewall = host(node)[:-2] + " networking.firewall.enable = false; }"
+    assert evaluate(no_firewall)["warnings"] == []
+    trusted = host(node)[:-2] + ' networking.firewall.trustedInterfaces = [ "enp1s0f0np0" ]; }'
+    assert evaluate(trusted)["warnings"] == []
+
+
+def test_warning_open_api_without_a_key(evaluate):
+    s = settings()
+    s["nodes"][0]["api_port"] = 9000
+    (msg,) = evaluate(host("spark-a", settings=s, openFirewall=True))["warnings"]
+    assert msg == ("services.dspark.openFirewall opens the head's API port 9000 on every interface, and no API key "
+                   "is set (services.dspark.apiKeyFile, or DSPARK_API_KEY in services.dspark.environmentFile): "
+                   "anyone who reaches this host can use the model. Set services.dspark.apiKeyFile, or leave "
+                   "openFirewall off and open the API port only where the clients are.")
+    # A key file, or an environment file that may carry DSPARK_API_KEY: no warning.
+    assert evaluate(host("spark-a", openFirewall=True, apiKeyFile="/run/k"))["warnings"] == []
+    assert evaluate(host("spark-a", openFirewall=True, environmentFile="/run/dspark.env"))["warnings"] == []
 
 
 def test_firewall_without_fabric_interface_opens_rendezvous_and_agent_ports(evaluate):
@@ -140,28 +186,83 @@ def test_firewall_without_fabric_interface_opens_rendezvous_and_agent_ports(eval
     s["nodes"] = [{"name": "spark-a", "rank": 0, "address": "10.0.0.1", "api_port": 9000,
                    "master_port": 29500, "agent_port": 9100},
                   {"name": "spark-b", "rank": 1, "address": "10.0.0.2", "agent_port": 9101}]
-    head = evaluate(host("spark-a", settings=s, openFirewall=True))
+    head = evaluate(host("spark-a", settings=s, openFirewall=True, apiKeyFile="/run/k"))
     assert sorted(head["firewall"]["allowedTCPPorts"]) == [9000, 9100, 29500]
-    assert "no socket_ifname" in head["warnings"][0]
+    (msg,) = head["warnings"]
+    assert "no socket_ifname" in msg
     worker = evaluate(host("spark-b", settings=s, openFirewall=True))
     assert worker["firewall"]["allowedTCPPorts"] == [9101]
 
 
 def test_secrets_reach_the_units_from_outside_the_store(evaluate):
     out = evaluate(host("spark-a", environmentFile="/run/secrets/dspark.env",
-                        apiKeyFile="/run/secrets/dspark-api-key"))
-    sc = out["services"]["dspark-head"]["serviceConfig"]
-    assert sc["EnvironmentFile"] == "/run/secrets/dspark.env"
-    assert sc["LoadCredential"] == "api-key:/run/secrets/dspark-api-key"
+                        apiKeyFile="/run/secrets/dspark-api-key", dashboard={"enable": True}))
+    for unit in ("dspark-head", "dspark-dashboard"):
+        sc = out["services"][unit]["serviceConfig"]
+        assert sc["EnvironmentFile"] == "/run/secrets/dspark.env"
+        assert sc["LoadCredential"] == "api-key:/run/secrets/dspark-api-key"
+        # A missing file is not systemd's 243/CREDENTIALS: this fallback stands in, and `dspark
+        # serve` refuses with the file's name (DSPARK_API_KEY_FILE) instead.
+        assert sc["SetCredential"] == f"api-key:{credentials.NO_KEY_FILE}"
+    assert out["services"]["dspark-head"]["environment"]["DSPARK_API_KEY_FILE"] == "/run/secrets/dspark-api-key"
     assert "api-key" not in str(out["etc"])
+
+
+def test_the_worker_carries_no_credential_it_never_reads(evaluate):
+    """The template gives both hosts the same apiKeyFile; only the head serves the API."""
+    out = evaluate(host("spark-b", environmentFile="/run/secrets/dspark.env",
+                        apiKeyFile="/run/secrets/dspark-api-key"))
+    worker = out["services"]["dspark-worker"]
+    assert worker["serviceConfig"] == {"User": "dspark", "Group": "dspark",
+                                       "EnvironmentFile": "/run/secrets/dspark.env"}
+    assert "DSPARK_API_KEY_FILE" not in worker["environment"]
+    assert "Credential" not in str(out["services"])
+
+
+@pytest.mark.parametrize("option", ["apiKeyFile", "environmentFile"])
+@pytest.mark.parametrize("value", ['"secrets/dspark-api-key"', "./dspark-api-key", '"/nix/store/00000000000000000000000000000000-dspark-key"'])
+def test_key_files_must_be_absolute_paths_outside_the_store(evaluate, option, value):
+    """A relative path would be read relative to whatever systemd runs in; a path literal would be
+    copied into the world-readable store on evaluation; a store path is readable by every user."""
+    with pytest.raises(NixError) as err:
+        evaluate(host("spark-a", raw=f"{option} = {value};"))
+    text = str(err.value)
+    assert f"services.dspark.{option}" in text and "absolute path not in the Nix store" in text
 
 
 def test_dashboard_runs_on_the_head(evaluate):
     out = evaluate(host("spark-a", dashboard={"enable": True}))
     assert out["services"]["dspark-dashboard"]["wantedBy"] == ["multi-user.target"]
     assert out["services"]["dspark-dashboard"]["environment"]["DSPARK_NODE"] == "spark-a"
+    # It reads the cluster file too: a change restarts it with the head.
+    assert out["services"]["dspark-dashboard"]["restartTriggers"] == ["cluster.toml"]
+    off = evaluate(host("spark-a", dashboard={"enable": True}, autoStart=False))
+    assert off["services"]["dspark-dashboard"]["wantedBy"] == []  # follows autoStart, as the head does
+    assert off["services"]["dspark-head"]["wantedBy"] == []
     worker = evaluate(host("spark-b", dashboard={"enable": True}))
     assert any("dashboard runs on the head" in m for m in worker["failedAssertions"])
+
+
+# ------------------------------------------------------------------ one role per host
+# Every unit file comes from the package (systemd.packages); the ones of the other role are
+# masked (enable = false: a link to /dev/null), so `systemctl start dspark-head` on a worker
+# says "masked" instead of running a second copy of the worker under the head's name.
+HEAD_ONLY = ["dspark-dashboard.service", "dspark-head.service", "dspark-wait-worker.service",
+             "dspark-worker-ready.target"]
+
+
+def test_the_head_masks_the_worker_units(evaluate):
+    out = evaluate(host("spark-a"))
+    assert out["masked"] == ["dspark-dashboard.service", "dspark-worker.service", "dspark-worker@.service"]
+    assert out["targets"] == []  # the head's ready target comes from the package, unmasked
+    out = evaluate(host("spark-a", dashboard={"enable": True}))
+    assert out["masked"] == ["dspark-worker.service", "dspark-worker@.service"]
+
+
+def test_a_worker_masks_every_head_unit(evaluate):
+    out = evaluate(host("spark-b", dashboard={"enable": False}))
+    assert sorted(out["services"]) == ["dspark-worker"]
+    assert out["masked"] == sorted(HEAD_ONLY + ["dspark-worker@.service"])
 
 
 def failed(evaluate, host_nix: str) -> list[str]:
@@ -220,11 +321,6 @@ def test_assertion_no_nodes(evaluate):
 def test_assertion_no_vllm_without_runtime(evaluate):
     (msg,) = failed(evaluate, host("spark-a", runtimePackage=None))
     assert "no vLLM to run" in msg
-
-
-def test_assertion_secrets_in_the_store(evaluate):
-    msgs = failed(evaluate, host("spark-a", apiKeyFile="/nix/store/0000-key", environmentFile="/nix/store/0000-env"))
-    assert len(msgs) == 2 and all("is in the Nix store" in m for m in msgs)
 
 
 @pytest.mark.parametrize("raw, where", [
@@ -327,3 +423,39 @@ def test_assertion_parallelism_not_a_whole_number_of_nodes(evaluate):
 
 
 
+
+
+# ------------------------------------------------------------------ the units as a host gets them
+def _service_dropin(service: dict) -> str:
+    """The [Service] part of what NixOS writes for systemd.services.<name> (overrides.conf)."""
+    lines = [f'Environment="{k}={v}"' for k, v in sorted(service["environment"].items())]
+    lines += [f"{k}={v}" for k, v in sorted(service["serviceConfig"].items())]
+    return "[Service]\n" + "\n".join(lines) + "\n"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+@pytest.mark.parametrize("node, unit", [("spark-a", "dspark-head"), ("spark-b", "dspark-worker")])
+def test_the_rendered_units_with_the_module_dropin_read_back_by_systemd(evaluate, tmp_path, node, unit):
+    """The package's unit (`dspark systemd render`) plus the module's drop-in for it, read back by
+    systemd's own parser: every line is understood (SetCredential= with a value systemd 252
+    takes), and only the head's unit loads the key."""
+    out = evaluate(host(node, apiKeyFile="/run/secrets/dspark-api-key", environmentFile="/run/secrets/dspark.env"))
+    exe = tmp_path / "bin" / "dspark"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    unit_dir = tmp_path / "units"
+    unit_dir.mkdir()
+    for name, text in units.render_units(str(exe)).items():
+        (unit_dir / name).write_text(text)
+    dropin = unit_dir / f"{unit}.service.d" / "overrides.conf"
+    dropin.parent.mkdir()
+    dropin.write_text(_service_dropin(out["services"][unit]))
+    combined = (unit_dir / f"{unit}.service").read_text() + dropin.read_text()
+    assert ("LoadCredential=" in combined) == (unit == "dspark-head")
+    assert ("SetCredential=api-key:" in combined) == (unit == "dspark-head")
+    r = subprocess.run(["systemd-analyze", "verify", str(unit_dir / f"{unit}.service")],
+                       capture_output=True, text=True, timeout=60)
+    said = [line for line in (r.stdout + r.stderr).splitlines()
+            if f"{unit}.service" in line and "plymouth" not in line]
+    assert not [s for s in said if "Invalid syntax" in s or "Unknown key" in s or "ignoring" in s], said
