@@ -14,7 +14,11 @@ It reads what the Nix build reads (nix/runtime-lock.json, nix/runtime-build.json
    nor the named driver libraries provide (what autoPatchelf stops on); modules that are only
    importable through a .pth file and that the prefix's interpreter does not put on sys.path;
    objects whose load segments glibc would refuse, as installed or (when the build strips)
-   after `strip -S`.
+   after `strip -S`; and every library an object names in its strings (a `dlopen` argument:
+   NCCL's "libibverbs.so.1") or its .note.dlopen table without listing it as DT_NEEDED, unless
+   it resolves through the RPATH autoPatchelf gives that object, is glibc's, is the driver's
+   (on /run/opengl-driver/lib and the wrappers' LD_LIBRARY_PATH), or runtime-build.json lists
+   it in dlopen_absent with the reason.
 Exit status: 0 clean, 1 any problem above, 2 bad input (nothing fetched, a wrong hash, no tool).
 Standard library only; x86_64 or aarch64 host.
 """
@@ -23,9 +27,12 @@ from __future__ import annotations
 
 import argparse
 import configparser
+import fnmatch
 import hashlib
 import json
+import mmap
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -238,6 +245,8 @@ class Elf:
     needed: list[str] = field(default_factory=list)
     soname: str | None = None
     loads: list[tuple[int, int, int]] = field(default_factory=list)  # (p_offset, p_vaddr, p_align)
+    # .note.dlopen (systemd's ELF dlopen metadata): each entry a list of alternative sonames.
+    dlopen_notes: list[list[str]] = field(default_factory=list)
 
 
 def read_elf(path: Path) -> Elf | None:
@@ -250,10 +259,13 @@ def read_elf(path: Path) -> Elf | None:
         hdr = f.read(48 if is64 else 36)
         try:
             if is64:
-                (etype, machine, _, _, phoff, _, _, _, phentsize, phnum) = struct.unpack(end + "HHIQQQIHHH", hdr[:42])
+                (etype, machine, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum,
+                 shstrndx) = struct.unpack(end + "HHIQQQIHHHHHH", hdr[:48])
             else:
-                (etype, machine, _, _, phoff, _, _, _, phentsize, phnum) = struct.unpack(end + "HHIIIIIHHH", hdr[:30])
+                (etype, machine, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum,
+                 shstrndx) = struct.unpack(end + "HHIIIIIHHHHHH", hdr[:36])
             elf = Elf(path, machine, etype)
+            elf.dlopen_notes = read_dlopen_notes(f, end, is64, shoff, shentsize, shnum, shstrndx)
             f.seek(phoff)
             phdrs = f.read(phentsize * phnum)
             dynamic = None
@@ -298,6 +310,48 @@ def read_elf(path: Path) -> Elf | None:
             return elf
         except struct.error:
             return None
+
+
+NT_FDO_DLOPEN = 0x407C0C0A
+
+
+def read_dlopen_notes(f, end: str, is64: bool, shoff: int, shentsize: int, shnum: int,
+                      shstrndx: int) -> list[list[str]]:
+    """The sonames of a .note.dlopen section (owner "FDO", type 0x407c0c0a, a JSON array of
+    {"soname": [...]}): autoPatchelf resolves these as it does DT_NEEDED."""
+    if not shoff or not shnum or shstrndx >= shnum:
+        return []
+    f.seek(shoff)
+    raw = f.read(shentsize * shnum)
+    fmt, size = (end + "IIQQQQIIQQ", 64) if is64 else (end + "IIIIIIIIII", 40)
+    if len(raw) < shentsize * shnum or shentsize < size:
+        return []
+    sections = [struct.unpack(fmt, raw[i * shentsize:i * shentsize + size]) for i in range(shnum)]
+    names_off, names_size = sections[shstrndx][4], sections[shstrndx][5]
+    f.seek(names_off)
+    names = f.read(names_size)
+    out: list[list[str]] = []
+    for sec in sections:
+        name = names[sec[0]:names.find(b"\0", sec[0])]
+        if name != b".note.dlopen" or sec[1] != 7:  # SHT_NOTE
+            continue
+        f.seek(sec[4])
+        data = f.read(sec[5])
+        pos = 0
+        while pos + 12 <= len(data):
+            namesz, descsz, ntype = struct.unpack(end + "III", data[pos:pos + 12])
+            pos += 12
+            owner = data[pos:pos + namesz].rstrip(b"\0")
+            pos += (namesz + 3) & ~3
+            desc = data[pos:pos + descsz]
+            pos += (descsz + 3) & ~3
+            if owner == b"FDO" and ntype == NT_FDO_DLOPEN:
+                try:
+                    entries = json.loads(desc.rstrip(b"\0").decode())
+                    out += [[str(n) for n in e["soname"]] for e in entries]
+                except (ValueError, KeyError, TypeError):
+                    continue
+    return out
 
 
 def elf_objects(prefix: Path) -> list[Elf]:
@@ -345,6 +399,152 @@ def unresolved_needed(elves: list[Elf], prefix: Path, build: dict) -> list[str]:
         for lib in e.needed:
             if lib not in in_prefix and lib not in known:
                 out.append(f"{e.path.relative_to(prefix)}: {lib}")
+        for alternatives in e.dlopen_notes:
+            if not any(lib in in_prefix or lib in known for lib in alternatives):
+                out.append(f"{e.path.relative_to(prefix)}: any of {', '.join(alternatives)} (.note.dlopen)")
+    return out
+
+
+# ---------------------------------------------------------------- libraries loaded at run time
+
+# A library name as a string of its own in an object (a dlopen argument): "libibverbs.so.1".
+SONAME_STRING = re.compile(rb"lib[A-Za-z0-9_+\-.]*?\.so(?:\.[0-9]+)*(?=\x00)")
+
+
+def named_sonames(path: Path) -> set[str]:
+    """The library names an object holds as whole strings: NUL-terminated, and preceded by a NUL
+    or another byte that is not printable (a length prefix), so that a name inside a message
+    ("Failed to open libgdrapi.so.2") is not taken for one. Not seen: a name built at run time
+    ("libnvrtc.so.%d", "lib%s.so") or one the compiler stores inside instructions."""
+    out = set()
+    with path.open("rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return out
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            for match in SONAME_STRING.finditer(m):
+                before = m[match.start() - 1] if match.start() > 0 else 0
+                if before < 0x20 or before > 0x7E:
+                    out.add(match.group().decode())
+    return out
+
+
+def dependency_groups(names: set[str]) -> list[list[str]]:
+    """One dependency per library: "libibverbs.so" and "libibverbs.so.1" in one object are the
+    names it tries for one library (NCCL: "Failed to open libibverbs.so[.1]")."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(names, key=lambda n: (n.split(".so", 1)[0], -len(n))):
+        groups.setdefault(name.split(".so", 1)[0], []).append(name)
+    return list(groups.values())
+
+
+@dataclass
+class LoadCheck:
+    """What happens to each library an object names outside its DT_NEEDED."""
+    objects: int = 0
+    checked: int = 0
+    resolved: list[str] = field(default_factory=list)
+    glibc: list[str] = field(default_factory=list)
+    driver: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"{self.checked} libraries named outside DT_NEEDED in {self.objects} objects: "
+                f"{len(self.resolved)} resolve through the object's RPATH, {len(self.glibc)} glibc's, "
+                f"{len(self.driver)} the driver's, {len(self.absent)} deliberately absent "
+                f"(runtime-build.json dlopen_absent), {len(self.unresolved)} unresolved")
+
+
+def build_runpaths(build: dict) -> list[str]:
+    """What runtime.nix appends to every object's RPATH (appendRunpaths): the driver's directory
+    and the lib/ of each host library marked append_runpath."""
+    return ["driver"] + [f"nixpkgs {lib['attr']}" for lib in build["host_libraries"]
+                         if lib.get("append_runpath")]
+
+
+def check_runtime_loads(elves: list[Elf], prefix: Path, build: dict, machine: int = EM_AARCH64) -> LoadCheck:
+    """For every aarch64 object, each library it names (strings, .note.dlopen) and does not list
+    as DT_NEEDED must be found where glibc's dlopen from that object looks, as the Nix build
+    leaves it: the object's RUNPATH, which autoPatchelf sets to the directory of each resolved
+    DT_NEEDED and .note.dlopen entry (the first file of that name in the output, else the
+    buildInputs' lib/), plus appendRunpaths (the driver's /run/opengl-driver/lib, and
+    runtime-build.json's append_runpath libraries); then LD_LIBRARY_PATH, which the vllm wrapper
+    sets to the driver's libraries only; then glibc's own directory (the store's glibc reads no
+    /etc/ld.so.cache). Else it must be listed in dlopen_absent with the reason."""
+    dirs_of: dict[str, set[str]] = {}
+    for root, _, files in os.walk(prefix):
+        for name in files:
+            p = Path(root) / name
+            if ".so" not in name or not p.exists():
+                continue
+            if not p.is_symlink():
+                e = read_elf(p)
+                if e is None or e.machine != machine:
+                    continue
+            dirs_of.setdefault(name, set()).add(str(p.parent.relative_to(prefix)))
+    host_dir: dict[str, str] = {}
+    in_dir: dict[str, set[str]] = {}
+    glibc = set()
+    for lib in build["host_libraries"]:
+        d = f"nixpkgs {lib['attr']}"
+        for so in lib["sonames"]:
+            host_dir.setdefault(so, d)
+            in_dir.setdefault(d, set()).add(so)
+        if lib.get("in_stdenv"):
+            glibc.update(lib["sonames"])
+    for name, ds in dirs_of.items():
+        for d in ds:
+            in_dir.setdefault(d, set()).add(name)
+    appended = build_runpaths(build)
+    driver_globs = build["driver_library_globs"] + build["driver_libraries"]
+    absent = {so: entry["why"] for entry in build.get("dlopen_absent", []) for so in entry["sonames"]}
+    out = LoadCheck()
+    for e in elves:
+        if e.type not in (2, 3) or e.machine != machine:
+            continue
+        own = {e.path.name, e.soname, *e.needed}
+        named = named_sonames(e.path)
+        groups = [g for g in dependency_groups(named - own)
+                  if not any(n in own for n in g)]
+        groups += [g for g in e.dlopen_notes if not any(n in own for n in g)]
+        if not groups:
+            continue
+        out.objects += 1
+        # The object's RUNPATH after autoPatchelf: sure entries, and for a name the output holds
+        # in several directories (autoPatchelf takes the first it found) the set of candidates.
+        sure: set[str] = set(appended)
+        either: list[set[str]] = []
+        for lib in [*e.needed, *(n for g in e.dlopen_notes for n in g)]:
+            if lib in glibc:
+                continue  # autoPatchelf leaves libc's libraries to the loader's default path
+            candidates = dirs_of.get(lib) or ({host_dir[lib]} if lib in host_dir else set())
+            if len(candidates) == 1:
+                sure |= candidates
+            elif candidates:
+                either.append(candidates)
+        rel = e.path.relative_to(prefix)
+        for group in groups:
+            out.checked += 1
+            label = f"{rel}: {' / '.join(group)}"
+            def on_runpath(so: str) -> str | None:
+                hit = sorted(d for d in sure if so in in_dir.get(d, ()))
+                if hit:
+                    return hit[0]
+                for cands in either:
+                    if all(so in in_dir.get(d, ()) for d in cands):
+                        return sorted(cands)[0]
+                return None
+            found = next(((so, d) for so in group if (d := on_runpath(so))), None)
+            if found:
+                out.resolved.append(f"{label} -> {found[1]}")
+            elif any(so in glibc for so in group):
+                out.glibc.append(label)
+            elif any(fnmatch.fnmatchcase(so, g) for so in group for g in driver_globs):
+                out.driver.append(label)
+            elif any(so in absent for so in group):
+                out.absent.append(label)
+            else:
+                out.unresolved.append(label)
     return out
 
 
@@ -447,17 +647,21 @@ class Report:
     unresolved: list[str] = field(default_factory=list)
     pth_imports: list[str] = field(default_factory=list)
     load_failures: list[str] = field(default_factory=list)
+    runtime_loads: LoadCheck = field(default_factory=LoadCheck)
+    unresolved_loads: list[str] = field(default_factory=list)
 
     SECTIONS = (("clashes", "file clashes"), ("install_errors", "installer errors"),
                 ("unresolved", "unresolved DT_NEEDED"), ("pth_imports", "imports depending on .pth files"),
-                ("load_failures", "objects glibc would refuse (stripping)"))
+                ("load_failures", "objects glibc would refuse (stripping)"),
+                ("unresolved_loads", "libraries loaded at run time that the build leaves unresolvable"))
 
     @property
     def ok(self) -> bool:
         return not any(getattr(self, k) for k, _ in self.SECTIONS)
 
     def text(self) -> str:
-        lines = [f"replayed {self.wheels} wheels, {self.elf_objects} ELF objects"]
+        lines = [f"replayed {self.wheels} wheels, {self.elf_objects} ELF objects",
+                 self.runtime_loads.summary()]
         for key, title in self.SECTIONS:
             items = getattr(self, key)
             lines.append(f"{title}: {len(items)}")
@@ -481,6 +685,8 @@ def replay(cache: Path, prefix: Path, offline: bool = False, python: str = sys.e
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     report.pth_imports = pth_imports(site_packages(prefix), prefix / "bin" / "python", env)
     report.load_failures = strip_breaks(elves, prefix, build)
+    report.runtime_loads = check_runtime_loads(elves, prefix, build)
+    report.unresolved_loads = report.runtime_loads.unresolved
     return report
 
 
@@ -508,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report.text())
     if args.json:
         data = {k: getattr(report, k) for k in ("wheels", "elf_objects", *(k for k, _ in Report.SECTIONS))}
+        loads = report.runtime_loads
+        data["runtime_loads"] = {"objects": loads.objects, "checked": loads.checked,
+                                 **{k: getattr(loads, k) for k in ("resolved", "glibc", "driver", "absent", "unresolved")}}
         args.json.write_text(json.dumps(dict(data, ok=report.ok), indent=1) + "\n")
     return 0 if report.ok else 1
 
