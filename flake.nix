@@ -1,7 +1,7 @@
 {
   description = "dspark: DeepSeek V4 Flash on two NVIDIA GB10 nodes (TP=2) as systemd services";
 
-  inputs.nixpkgs.url = "github:nixos/nixpkgs/nixos-25.11";
+  inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-26.05";
 
   outputs =
     { self, nixpkgs }:

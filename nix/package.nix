@@ -39,7 +39,12 @@ python3Packages.buildPythonApplication {
   # The tests that need neither vLLM nor the local pair, systemd, Nix or a browser, against
   # the installed package (`nix flake check` runs them through checks.dspark).
   nativeCheckInputs = [ python3Packages.pytestCheckHook ];
-  pytestFlagsArray = tests.paths ++ [
+  # pytestFlags, not pytestFlagsArray (refused by nixpkgs 26.05). pytestCheckHook adds them with
+  # stdenv's concatTo, which splits a plain string on whitespace and takes a bash array as it
+  # is: with structured attributes each element is one argument, so the marker expression
+  # ("not pair and not ...") reaches pytest whole, as tests/nix/test_package_tests.py runs it.
+  __structuredAttrs = true;
+  pytestFlags = tests.paths ++ [
     "-p"
     "no:cacheprovider"
     "-m"

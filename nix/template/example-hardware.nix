@@ -11,5 +11,5 @@
   hardware.graphics.enable = true;
   hardware.nvidia.open = true;
   services.xserver.videoDrivers = [ "nvidia" ];
-  system.stateVersion = "25.11";
+  system.stateVersion = "26.05"; # the release this host was first installed with
 }

@@ -1,7 +1,7 @@
 {
   description = "Two GB10 hosts running dspark (DeepSeek V4 Flash, TP=2)";
 
-  inputs.nixpkgs.url = "github:nixos/nixpkgs/nixos-25.11";
+  inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-26.05";
   inputs.dspark.url = "path:/path/to/dspark"; # CHANGEME: where you keep the dspark repository
   inputs.dspark.inputs.nixpkgs.follows = "nixpkgs";
 

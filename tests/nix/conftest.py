@@ -33,3 +33,13 @@ def nixpkgs_lib() -> Path:
         + "): it cannot be committed; set DSPARK_NIXPKGS_LIB to the lib/ directory of a "
         "nix-community/nixpkgs.lib checkout to evaluate the NixOS module"
     )
+
+
+def pytest_report_header(config):
+    """Which nixpkgs.lib the module evaluations run against (its release, from lib/.version)."""
+    env = os.environ.get("DSPARK_NIXPKGS_LIB")
+    for path in [Path(env)] if env else NIXPKGS_LIB_CANDIDATES:
+        version = path / ".version"
+        if version.is_file():
+            return f"nixpkgs.lib: {path} (release {version.read_text().strip()})"
+    return None

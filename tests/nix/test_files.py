@@ -33,7 +33,7 @@ def test_every_nix_file_parses(nix_instantiate, path):
 def test_flake_inputs_are_nixpkgs_only(nix_instantiate):
     inputs = nix_eval(nix_instantiate, "(import ./flake.nix).inputs")
     assert list(inputs) == ["nixpkgs"]
-    assert inputs["nixpkgs"]["url"] == "github:nixos/nixpkgs/nixos-25.11"
+    assert inputs["nixpkgs"]["url"] == "github:NixOS/nixpkgs/nixos-26.05"
 
 
 def test_flake_lock_pins_nixpkgs_with_rev_and_nar_hash():
@@ -47,8 +47,17 @@ def test_flake_lock_pins_nixpkgs_with_rev_and_nar_hash():
     assert re.fullmatch(r"sha256-[A-Za-z0-9+/]{43}=", locked["narHash"])
     assert isinstance(locked["lastModified"], int) and locked["lastModified"] > 1_700_000_000
     # The lock's original must be what flake.nix asks for, or Nix would re-lock.
-    assert (original["owner"], original["repo"], original["ref"]) == ("nixos", "nixpkgs", "nixos-25.11")
+    assert (original["owner"], original["repo"], original["ref"]) == ("NixOS", "nixpkgs", "nixos-26.05")
     assert locked["owner"] == original["owner"]
+
+
+def test_flake_lock_original_is_what_the_flake_asks_for(nix_instantiate):
+    url = nix_eval(nix_instantiate, "(import ./flake.nix).inputs.nixpkgs.url")
+    original = json.loads((REPO / "flake.lock").read_text())["nodes"]["nixpkgs"]["original"]
+    assert url == f"github:{original['owner']}/{original['repo']}/{original['ref']}"
+    # The template's hosts follow the same release (its users lock it themselves).
+    template = nix_eval(nix_instantiate, "(import ./nix/template/flake.nix).inputs.nixpkgs.url")
+    assert template == url
 
 
 def test_flake_outputs_wire_the_packages_and_the_module(nix_instantiate, nixpkgs_lib):

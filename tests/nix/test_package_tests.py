@@ -90,3 +90,31 @@ def test_the_check_phase_passes_on_the_installed_package_without_vllm(tmp_path):
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
     assert " passed" in run.stdout and " failed" not in run.stdout, tail
+
+
+@pytest.mark.nix
+def test_the_package_passes_the_replayed_flags_as_pytest_flags(nix_instantiate, nixpkgs_lib, tmp_path):
+    """nix/package.nix evaluated with the stand-in nixpkgs (buildPythonApplication keeps its
+    arguments): pytestFlags, not pytestFlagsArray (an error in nixpkgs 26.05), as structured
+    attributes, so that each element (the marker expression with its spaces) is one argument,
+    exactly the arguments the replay above runs."""
+    from nix_support import nix_eval
+
+    stub = tmp_path / "stub-nixpkgs"
+    stub.mkdir()
+    shutil.copy(REPO / "tests/nix/stub-nixpkgs/default.nix", stub / "default.nix")
+    (stub / "lib-path.nix").write_text(json.dumps(str(nixpkgs_lib)) + "\n")
+    drv = nix_eval(nix_instantiate, f"""
+      let pkg = (import {stub} {{ }}).callPackage ./nix/package.nix {{ }};
+      in {{
+        array = pkg ? pytestFlagsArray;
+        flags = pkg.pytestFlags or null;
+        structured = pkg.__structuredAttrs or false;
+        disabled = pkg.disabledTests;
+        name = pkg.name;
+      }}""")
+    assert drv["array"] is False
+    assert drv["flags"] == [*DATA["paths"], "-p", "no:cacheprovider", "-m", DATA["markers"]]
+    assert " " in DATA["markers"] and drv["structured"] is True  # one argument, not split on blanks
+    assert drv["disabled"] == DATA["disabled"]
+    assert drv["name"] == f"dspark-{PYPROJECT['project']['version']}"

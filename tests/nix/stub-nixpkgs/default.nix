@@ -45,6 +45,16 @@ let
       sitePackages = "lib/python3.12/site-packages";
       pkgs.installer = fake "python3.12-installer-0.7.0";
     };
+    # Enough of python3Packages for nix/package.nix: buildPythonApplication keeps its arguments.
+    python3Packages = {
+      python = self.python312;
+      buildPythonApplication = attrs: attrs // fake "${attrs.pname}-${attrs.version}";
+      setuptools = fake "python3.12-setuptools";
+      click = fake "python3.12-click";
+      httpx = fake "python3.12-httpx";
+      prometheus-client = fake "python3.12-prometheus-client";
+      pytestCheckHook = fake "pytest-check-hook";
+    };
     autoPatchelfHook = fake "auto-patchelf-hook";
     addDriverRunpath.driverLink = "/run/opengl-driver";
     makeWrapper = fake "make-wrapper";
