@@ -93,3 +93,14 @@ def test_the_readme_quotes_the_refusal_as_serve_prints_it(tmp_path):
     line = one_line_refusal(serve("spark-a", CREDENTIALS_DIRECTORY=credential_dir(tmp_path, credentials.NO_KEY_FILE),
                                   DSPARK_API_KEY_FILE="/run/secrets/dspark-api-key"))
     assert f"```text\n{line}\n```" in readme
+
+
+def test_the_units_dspark_renders_load_no_credential_for_a_worker():
+    """`dspark systemd render/install` (hosts without the NixOS module): no unit file and no
+    worker drop-in loads a credential; where the key is wanted, the head's drop-in adds it."""
+    from dspark import units
+
+    files = units.render_units("/opt/dspark/bin/dspark")
+    for role in ([units.NodeRole("spark-b", False)], [units.NodeRole("w1", False), units.NodeRole("w2", False)]):
+        files.update(units.node_dropins(role))
+    assert [name for name, text in files.items() if "Credential" in text] == []
