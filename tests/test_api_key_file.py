@@ -97,7 +97,8 @@ def test_the_readme_quotes_the_refusal_as_serve_prints_it(tmp_path):
 
 def test_the_units_dspark_renders_load_no_credential_for_a_worker():
     """`dspark systemd render/install` (hosts without the NixOS module): no unit file and no
-    worker drop-in loads a credential; where the key is wanted, the head's drop-in adds it."""
+    worker drop-in loads a credential (an operator who wants the key adds LoadCredential= to the
+    head's unit alone)."""
     from dspark import units
 
     files = units.render_units("/opt/dspark/bin/dspark")
