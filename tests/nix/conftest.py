@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-# Local places a checkout of nix-community/nixpkgs.lib is looked for, after $DSPARK_NIXPKGS_LIB.
+# Local places a checkout of nix-community/nixpkgs.lib is looked for, unless $DSPARK_NIXPKGS_LIB is set.
 NIXPKGS_LIB_CANDIDATES = [Path("/tmp/nixpkgs.lib/lib"), Path("/opt/nixpkgs.lib/lib")]
 
 
@@ -20,26 +20,43 @@ def nix_instantiate() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
-def nixpkgs_lib() -> Path:
+def _is_lib(path: Path) -> bool:
+    return (path / "modules.nix").is_file() and (path / "default.nix").is_file()
+
+
+def _release(path: Path) -> str:
+    version = path / ".version"
+    return version.read_text().strip() if version.is_file() else path.parent.name
+
+
+def _libs() -> list[Path]:
+    """$DSPARK_NIXPKGS_LIB: one lib/ directory, or several separated by ':' (two releases, say),
+    each evaluated in turn; else the first local candidate found."""
     env = os.environ.get("DSPARK_NIXPKGS_LIB")
-    candidates = [Path(env)] if env else NIXPKGS_LIB_CANDIDATES
-    for path in candidates:
-        if (path / "modules.nix").is_file() and (path / "default.nix").is_file():
-            return path
+    if env:
+        return [Path(p) for p in env.split(os.pathsep) if p]
+    return [p for p in NIXPKGS_LIB_CANDIDATES if _is_lib(p)][:1]
+
+
+LIBS = _libs()
+
+
+@pytest.fixture(scope="session", params=LIBS or [None],
+                ids=lambda p: f"lib-{_release(p)}" if p is not None and _is_lib(p) else "no-lib")
+def nixpkgs_lib(request) -> Path:
+    path = request.param
+    if path is not None and _is_lib(path):
+        return path
+    looked = [path] if path is not None else NIXPKGS_LIB_CANDIDATES
     pytest.skip(
         "nixpkgs.lib not found (looked at "
-        + ", ".join(str(p) for p in candidates)
+        + ", ".join(str(p) for p in looked)
         + "): it cannot be committed; set DSPARK_NIXPKGS_LIB to the lib/ directory of a "
-        "nix-community/nixpkgs.lib checkout to evaluate the NixOS module"
+        "nix-community/nixpkgs.lib checkout (several separated by ':') to evaluate the NixOS module"
     )
 
 
 def pytest_report_header(config):
-    """Which nixpkgs.lib the module evaluations run against (its release, from lib/.version)."""
-    env = os.environ.get("DSPARK_NIXPKGS_LIB")
-    for path in [Path(env)] if env else NIXPKGS_LIB_CANDIDATES:
-        version = path / ".version"
-        if version.is_file():
-            return f"nixpkgs.lib: {path} (release {version.read_text().strip()})"
-    return None
+    """Which nixpkgs.lib the module evaluations run against (their releases, from lib/.version)."""
+    found = [f"{p} (release {_release(p)})" for p in LIBS if _is_lib(p)]
+    return "nixpkgs.lib: " + ", ".join(found) if found else None
