@@ -151,3 +151,37 @@ def test_template_hosts_evaluate_as_head_and_worker(nix_instantiate, nixpkgs_lib
     for flake in ("flake.nix", "nix/template/flake.nix"):
         text = (REPO / flake).read_text()
         assert "dspark-cluster.nix" in text and "hosts.nix" in text and "example-hardware.nix" in text
+
+
+def test_module_check_writes_each_example_hosts_units(nix_instantiate, nixpkgs_lib):
+    """nix/module-check.nix (`nix flake check`'s checks.module-*) on the example hosts evaluated
+    with the stand-ins: what it writes out, with writeText kept as its text."""
+    expr = f"""
+      let
+        lib = import {nixpkgs_lib};
+        hosts = (import ./nix/template/hosts.nix).hosts;
+        fake = name: {{ type = "derivation"; inherit name; outPath = "/nix/store/00000000000000000000000000000000-${{name}}"; }};
+        nixos = host: lib.evalModules {{
+          modules = [
+            (import ./tests/nix/stand-ins.nix {{ inherit lib; }})
+            {{ options.nixpkgs.config = lib.mkOption {{ type = lib.types.attrs; default = {{ }}; }}; }}
+            (import ./modules/default.nix)
+            {{ services.dspark.package = fake "dspark-0.1.0";
+               services.dspark.runtimePackage = lib.mkOverride 900 (fake "dspark-runtime-0.28.0"); }}
+            ./nix/template/dspark-cluster.nix
+            host
+          ];
+        }};
+      in lib.mapAttrs (name: host: builtins.fromJSON (import ./nix/module-check.nix {{
+        inherit lib name;
+        writeText = _: text: text;
+        nixos = nixos host;
+      }})) hosts"""
+    out = nix_eval(nix_instantiate, expr)
+    assert out == {
+        "spark-a": {"node": "spark-a", "units": ["dspark-head", "dspark-wait-worker"],
+                    "masked": ["dspark-dashboard", "dspark-worker", "dspark-worker@"], "warnings": []},
+        "spark-b": {"node": "spark-b", "units": ["dspark-worker"],
+                    "masked": ["dspark-dashboard", "dspark-head", "dspark-wait-worker", "dspark-worker-ready",
+                               "dspark-worker@"], "warnings": []},
+    }
