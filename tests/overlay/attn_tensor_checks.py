@@ -4,8 +4,8 @@ on any device: ``run_all(module, "cpu")`` in the default test run,
 
 The padded-rows check runs a small sparse attention in torch (the same
 arithmetic FlashInfer's kernel does: gather the indexed KV rows, skip -1,
-softmax over the first top-k-length slots) with and without the extra rows
-and compares the real rows' outputs exactly.
+softmax over the first top-k-length slots) with and without each request's
+extra rows and compares the real rows' outputs exactly.
 """
 
 from __future__ import annotations
@@ -56,28 +56,51 @@ def check_pad_index_width(m, device):
         raise AssertionError("narrowing accepted")
 
 
-def check_pad_rows(m, device):
-    q = torch.randn(2, 32, 512, device=device).to(torch.bfloat16)
-    p = m.pad_rows(q, 6)
-    assert p.shape == (6, 32, 512) and p.is_contiguous()
-    assert torch.equal(p[:2], q) and torch.equal(p[2:], q[-1:].expand(4, 32, 512))
-    lens = torch.tensor([3, 7], dtype=torch.int32, device=device)
-    assert m.pad_rows(lens, 6).tolist() == [3, 7, 7, 7, 7, 7]
-    assert m.pad_rows(q, 2) is q and m.pad_rows(None, 6) is None
+def check_per_request_rows(m, device):
+    snap = lambda n: m.align_decode_q_len(n, sm12x=True)  # noqa: E731
+    # Two DSpark draft requests of 5 rows: each becomes 6, its 6th row a copy
+    # of its own last row (not the batch's).
+    src, keep, padded = m.per_request_rows([5, 5], snap)
+    assert padded == [6, 6]
+    assert src == [0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 9], src
+    assert keep == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10], keep
+    # Safe lengths (the target's 6-row verify, 1, 4, 8) change nothing.
+    assert m.per_request_rows([6, 6, 6], snap) is None
+    assert m.per_request_rows([1, 4, 8], snap) is None
+    # A mixed batch: only the unsafe request grows.
+    src, keep, padded = m.per_request_rows([6, 2], snap)
+    assert padded == [6, 6] and src == [0, 1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7]
+    assert keep == [0, 1, 2, 3, 4, 5, 6, 7]
+    pre = lambda n: m.align_prefill_q_len(n, sm12x=True)  # noqa: E731
+    src, keep, padded = m.per_request_rows([2, 3], pre)
+    assert padded == [6, 6] and len(src) == 12 and keep == [0, 1, 6, 7, 8]
+
+
+def check_uniform_rows_match_the_host_plan(m, device):
+    for reqs, q_len, width in ((1, 5, 6), (2, 5, 6), (12, 5, 6), (3, 2, 6), (4, 7, 8)):
+        src, keep = m.uniform_rows(reqs, q_len, width, torch.device(device))
+        want_src, want_keep, _ = m.per_request_rows([q_len] * reqs, lambda n: width)
+        assert src.device.type == device and keep.device.type == device
+        assert src.tolist() == want_src and keep.tolist() == want_keep, (reqs, q_len)
 
 
 def check_padded_rows_same_output(m, device):
     torch.manual_seed(0)
     heads, dim, slots = 4, 64, 300
     kv = torch.randn(slots, dim, device=device).to(torch.bfloat16)
-    for real, rows in ((2, 6), (3, 6), (5, 6), (7, 8), (6, 6)):
+    cases = (([2], m.align_prefill_q_len), ([5, 5], m.align_decode_q_len),
+             ([7], m.align_decode_q_len), ([6, 3, 5], m.align_decode_q_len),
+             ([2, 3, 100], m.align_prefill_q_len))
+    for lens, align in cases:
+        real = sum(lens)
         q = torch.randn(real, heads, dim, device=device).to(torch.bfloat16)
         idx = torch.randint(0, slots, (real, 1, 128), dtype=torch.int32, device=device)
         idx[:, :, 100:] = -1
-        lens = torch.randint(1, 101, (real,), dtype=torch.int32, device=device)
+        tlens = torch.randint(1, 101, (real,), dtype=torch.int32, device=device)
         want = torch.zeros(real, heads, dim, device=device, dtype=torch.bfloat16)
         _reference_sparse_attention(out=want, query=q, sparse_indices=idx,
-                                    swa_topk_lens=lens, kv=kv)
+                                    swa_topk_lens=tlens, kv=kv)
+        src, keep, padded = m.per_request_rows(lens, lambda n: align(n, sm12x=True))
         seen = []
 
         def call(**kw):
@@ -85,10 +108,15 @@ def check_padded_rows_same_output(m, device):
             return _reference_sparse_attention(**kw)
 
         got = torch.full_like(want, float("nan"))
-        m.run_padded_rows(call, rows, got,
-                          dict(query=q, sparse_indices=idx, swa_topk_lens=lens), kv=kv)
-        assert seen == [rows], (seen, rows)
-        assert torch.equal(got, want), (real, rows)
+        m.run_rows(call, torch.tensor(src, device=device), torch.tensor(keep, device=device),
+                   got, dict(query=q, sparse_indices=idx, swa_topk_lens=tlens), kv=kv)
+        assert seen == [sum(padded)], (seen, padded)
+        assert torch.equal(got, want), lens
+    # No plan: the real rows go straight to the call, into the caller's output.
+    got = torch.zeros(3, heads, dim, device=device, dtype=torch.bfloat16)
+    outs = []
+    m.run_rows(lambda **kw: outs.append(kw["out"]), None, None, got, dict(query=q[:3]))
+    assert outs[0] is got
 
 
 def check_q_len_snapping(m, device):
@@ -97,19 +125,9 @@ def check_q_len_snapping(m, device):
     assert [m.align_prefill_q_len(n, sm12x=True) for n in (2, 4, 5, 7, 16)] == [6, 6, 6, 8, 16]
     assert all(m.align_decode_q_len(n, sm12x=False) == n for n in range(1, 80))
     assert all(m.align_prefill_q_len(n, sm12x=False) == n for n in range(1, 80))
-    assert m.prefill_pad_message(2, 6) == (
-        "SM12x: insert 4 extra KV slots for prefill pad 2 -> 6")
-    assert m.prefill_pad_message(6, 6) is None
-
-
-def check_capture_sizes(m, device):
-    sizes = [1, 2, 4, 8, 16, 24, 32, 36]
-    assert m.dspark_capture_sizes(sizes, 6, sm12x=True) == [6, 12, 18, 24, 36]
-    assert m.dspark_capture_sizes(sizes, 5, sm12x=True) == [6, 12, 18, 24, 36]
-    assert m.dspark_capture_sizes([1, 2, 4, 8, 12, 16, 24], 4, sm12x=True) == [
-        4, 8, 12, 16, 24]
-    off = m.dspark_capture_sizes(sizes, 6, sm12x=False)
-    assert off == sizes and off is not sizes
+    # The log line says what happens: no KV slot is inserted.
+    assert "write no KV slot" in m.PREFILL_PAD_MESSAGE
+    assert "insert" not in m.PREFILL_PAD_MESSAGE
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()

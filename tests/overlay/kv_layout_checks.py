@@ -318,9 +318,14 @@ def _swa_metadata(layers: Layers, layer, *, decodes: int, q_len: int,
         qsl.append(qsl[-1] + q_len)
     for n in prefill_lens:
         qsl.append(qsl[-1] + n)
+    # The builder's bound on decode rows per request: the batch's longest
+    # query, clamped to its decode threshold (1 + k).
+    max_decode_q = min(max([q_len] * bool(decodes) + list(prefill_lens)), 1 + NUM_SPEC)
     return SimpleNamespace(
         num_decodes=decodes, num_prefills=len(prefill_lens),
         num_decode_tokens=n_dec, num_prefill_tokens=n_pre,
+        max_decode_query_len=max_decode_q,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         decode_swa_indices=buf[:n_dec], decode_swa_lens=builder.decode_swa_lens[:n_dec],
         prefill_swa_indices=builder.prefill_swa_indices[:n_pre] if n_pre else None,
         prefill_swa_lens=builder.prefill_swa_lens[:n_pre] if n_pre else None,
@@ -366,14 +371,21 @@ def _global_topk_stand_in(local, token_to_req, block_table, block_size, is_valid
 SCENARIOS = (
     # name, decodes, q_len, prefill lengths, causal
     ("decode 1 seq, target verify (6 rows)", 1, 6, (), True),
+    ("decode 2 seqs, target verify (12 rows)", 2, 6, (), True),
+    ("decode 3 seqs, target verify (18 rows)", 3, 6, (), True),
+    ("decode 5 seqs, target verify (30 rows)", 5, 6, (), True),
     ("decode 10 seqs, target verify (60 rows)", 10, 6, (), True),
     ("decode 12 seqs, target verify (72 rows)", 12, 6, (), True),
     # DSpark drafts sample from the anchor: k=5 query rows per request.
     ("decode 1 seq, DSpark draft (5 rows)", 1, 5, (), False),
+    ("decode 2 seqs, DSpark draft (10 rows)", 2, 5, (), False),
+    ("decode 5 seqs, DSpark draft (25 rows)", 5, 5, (), False),
     ("decode 12 seqs, DSpark draft (60 rows)", 12, 5, (), False),
     ("decode 13 seqs, DSpark draft (65 rows)", 13, 5, (), False),
     ("decode 1 seq, no speculation (1 row)", 1, 1, (), True),
     ("prefill 2 tokens", 0, 1, (2,), True),
+    ("prefill 2 + 3 tokens (two requests, one chunk)", 0, 1, (2, 3), True),
+    ("prefill 7 + 100 tokens (two requests, one chunk)", 0, 1, (7, 100), True),
     ("prefill 64 tokens", 0, 1, (64,), True),
     ("prefill 100 tokens", 0, 1, (100,), True),
     ("prefill 1,000 tokens beside one decode", 1, 6, (1000,), True),

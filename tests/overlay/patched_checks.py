@@ -30,7 +30,6 @@ PATCHED_MODULES = (
     "vllm.model_executor.layers.fused_moe.oracle.nvfp4",
     "vllm.model_executor.layers.quantization.mxfp4",
     "vllm.v1.worker.gpu.warmup",
-    "vllm.v1.worker.gpu.spec_decode.dspark.speculator",
 )
 
 
@@ -276,61 +275,6 @@ def check_warmup_prompt_len(site: Path) -> None:
     assert _with_family(None, lambda: warmup.warmup_prompt_len(1)) == 2
     assert _with_family(120, lambda: warmup.warmup_prompt_len(1)) == 6
     assert _with_family(120, lambda: warmup.warmup_prompt_len(6)) == 8
-
-
-def check_dspark_capture_sizes(site: Path) -> None:
-    from vllm.config import VllmConfig
-    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import (
-        DSparkSpeculator,
-        dspark_capture_config,
-    )
-
-    assert "init_cudagraph_manager" in DSparkSpeculator.__dict__
-    shared = VllmConfig()
-    sizes = [1, 2, 4, 6, 8, 12, 24, 36, 48, 72]
-    shared.compilation_config.cudagraph_capture_sizes = sizes
-    shared.compilation_config.max_cudagraph_capture_size = 72
-    off = dspark_capture_config(shared, 5, sm12x=False)
-    got = off.compilation_config.cudagraph_capture_sizes
-    assert got == sizes and got is not sizes
-    assert off.compilation_config is not shared.compilation_config
-    got.append(999)
-    assert shared.compilation_config.cudagraph_capture_sizes == sizes[:10]
-    on = dspark_capture_config(shared, 5, sm12x=True)
-    # Whole blocks of the snapped q_len (5 -> 6), none above the largest size.
-    assert on.compilation_config.cudagraph_capture_sizes == [6, 12, 24, 36, 48, 72]
-    assert on.compilation_config.max_cudagraph_capture_size == 72
-    # The v0.28.0 Spark line's own case.
-    seed = VllmConfig()
-    seed.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8, 16, 24, 32, 36]
-    got = dspark_capture_config(seed, 6, sm12x=True).compilation_config
-    assert got.cudagraph_capture_sizes == [6, 12, 18, 24, 36]
-    assert shared.compilation_config.cudagraph_capture_sizes == sizes[:10]
-    assert shared.compilation_config.max_cudagraph_capture_size == 72
-    assert on.scheduler_config is shared.scheduler_config
-    # init_cudagraph_manager hands the manager the snapped q_len and restores it.
-    import vllm.v1.worker.gpu.spec_decode.dspark.speculator as sp
-
-    seen = {}
-
-    def fake_super(self, mode):
-        seen["q_len"] = self.num_query_per_req
-        seen["sizes"] = self.vllm_config.compilation_config.cudagraph_capture_sizes
-
-    spec = object.__new__(DSparkSpeculator)
-    spec.vllm_config, spec.num_query_per_req = shared, 5
-    base = DSparkSpeculator.__mro__[1]
-    saved = base.init_cudagraph_manager
-    base.init_cudagraph_manager = fake_super
-    try:
-        _with_family(120, lambda: spec.init_cudagraph_manager(None))
-        assert seen == {"q_len": 6, "sizes": [6, 12, 24, 36, 48, 72]}, seen
-        assert spec.num_query_per_req == 5 and spec.vllm_config is shared
-        _with_family(None, lambda: spec.init_cudagraph_manager(None))
-        assert seen["q_len"] == 5 and seen["sizes"] == sizes[:10]
-    finally:
-        base.init_cudagraph_manager = saved
-    assert sp.dspark_capture_config is dspark_capture_config
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()

@@ -75,7 +75,8 @@ def main() -> int:
         results = {**tensor_checks.run_all(helpers, "cuda"),
                    **{f"attn_{k}": v for k, v in attn_tensor_checks.run_all(attn, "cuda").items()}}
         idx = torch.zeros(60, 1, 192, dtype=torch.int32, device="cuda")
-        q = torch.zeros(2, 32, 512, dtype=torch.bfloat16, device="cuda")
+        q = torch.zeros(10, 32, 512, dtype=torch.bfloat16, device="cuda")
+        src, keep = attn.uniform_rows(2, 5, 6, torch.device("cuda"))
         report = {
             "device": torch.cuda.get_device_name(0),
             "capability": list(torch.cuda.get_device_capability(0)),
@@ -83,7 +84,7 @@ def main() -> int:
             "cuda": torch.version.cuda,
             "results": results,
             "pad_192_to_512_us_60_rows": _time_us(lambda: attn.pad_index_width(idx, 512)),
-            "pad_rows_2_to_6_us_q_32x512": _time_us(lambda: attn.pad_rows(q, 6)),
+            "gather_2x5_to_2x6_rows_us_q_32x512": _time_us(lambda: q.index_select(0, src)),
         }
     text = json.dumps(report, indent=2)
     print(text)

@@ -81,6 +81,22 @@ def test_short_calls_reach_flashinfer_with_gb10_row_counts(layout_results):
     assert rows["prefill 100 tokens"] == [100]
 
 
+def test_the_snap_is_per_request_query_length(layout_results):
+    # The v0.28.0 line snaps each request's query length, not the batch's row
+    # count: a target verify batch (6 rows a request, a width that ran on GB10)
+    # reaches FlashInfer as it is, a DSpark draft batch as 6 rows a request,
+    # and each request of a prefill chunk on its own.
+    rows = json.loads(layout_results["nvfp4_ds_mla max_model_len=350000: rows seen"])
+    assert rows["decode 2 seqs, target verify (12 rows)"] == [12]
+    assert rows["decode 3 seqs, target verify (18 rows)"] == [18]
+    assert rows["decode 5 seqs, target verify (30 rows)"] == [30]
+    assert rows["decode 2 seqs, DSpark draft (10 rows)"] == [12]
+    assert rows["decode 5 seqs, DSpark draft (25 rows)"] == [30]
+    assert rows["decode 12 seqs, DSpark draft (60 rows)"] == [72]
+    assert rows["prefill 2 + 3 tokens (two requests, one chunk)"] == [12]
+    assert rows["prefill 7 + 100 tokens (two requests, one chunk)"] == [108]
+
+
 def test_stock_vllm_fails_the_dspark_draft_width(stock_site, flashinfer):
     # Stock 0.28.0 hands the DSpark draft's 192-wide SWA indices to a FlashInfer
     # that has no 192 kernel: the checks must see that.

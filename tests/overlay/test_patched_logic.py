@@ -17,7 +17,6 @@ NAMES = (
     "b12x_env",
     "out_op_optional",
     "warmup_prompt_len",
-    "dspark_capture_sizes",
 )
 
 
