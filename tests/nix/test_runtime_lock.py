@@ -17,6 +17,17 @@ pytestmark = pytest.mark.nix
 
 LOCK = json.loads((REPO / "nix/runtime-lock.json").read_text())
 PACKAGES = {p["name"]: p for p in LOCK["packages"]}
+ROOTS = {canonicalize_name(Requirement(r).name): Requirement(r) for r in LOCK["requirements"]}
+
+
+def lock_runtime():
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("lock_runtime", REPO / "nix/lock-runtime.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["lock_runtime"] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def applies(req: Requirement, extra: str) -> bool:
@@ -40,8 +51,11 @@ def closure() -> tuple[set[str], list[str]]:
         if pkg is None:
             faults.append(f"{wanted_by} requires {req}, which is not locked")
             continue
-        if not req.specifier.contains(pkg["version"], prereleases=True):
-            faults.append(f"{wanted_by} requires {req}, but {name} {pkg['version']} is locked")
+        # An overridden package answers to its root requirement, whoever else requires it
+        # (nix/lock-runtime.py OVERRIDES, uv's --override).
+        wanted = ROOTS[name] if name in LOCK.get("overrides", {}) else req
+        if not wanted.specifier.contains(pkg["version"], prereleases=True):
+            faults.append(f"{wanted_by} requires {wanted}, but {name} {pkg['version']} is locked")
         reached.add(name)
         for extra in ["", *sorted(req.extras)]:
             if (name, extra) in done:
@@ -92,8 +106,55 @@ def test_pins_the_release_the_overlay_is_written_for():
     # The aarch64 wheel of vLLM 0.28.0 as published (shared/reference/runtime-pins.md).
     assert PACKAGES["vllm"]["sha256"] == "817b8181f7f61b4a62dc1d5d9ab39f2bfb60a6cb86c29879a78a147b85756787"
     assert PACKAGES["torch"]["version"] == "2.13.0"
-    assert PACKAGES["flashinfer-python"]["version"] == "0.6.16.post3"
     assert PACKAGES["b12x"]["version"] == "1.2.6"
+    # torch 2.13.0's own exact pin; 2.29.3 and later carry NCCL's fix of the aarch64 proxy-op hang
+    # that wedged 2.28.9 on GB10 (overlay/README.md, "Known GB10 failures").
+    assert PACKAGES["nvidia-nccl-cu13"]["version"] == "2.29.7"
+    assert 'nvidia-nccl-cu13==2.29.7; platform_system == "Linux"' in PACKAGES["torch"]["requires_dist"]
+
+
+def test_flashinfer_carries_the_gb10_prefill_deadlock_fix():
+    """0.6.18, the first release with flashinfer #4732 (the fix of #3700), over vLLM 0.28.0's exact
+    pin of 0.6.16.post3; the wheel's sha256 as computed from the downloaded file."""
+    fi = PACKAGES["flashinfer-python"]
+    assert (fi["version"], fi["filename"]) == ("0.6.18", "flashinfer_python-0.6.18-py3-none-any.whl")
+    assert fi["sha256"] == "d5d26edb48f8def0bf28b2c94415aef7f0754e2cd9e3cb3d6e7081262d068aad"
+    assert "flashinfer-python==0.6.16.post3" in PACKAGES["vllm"]["requires_dist"]
+    assert set(LOCK["overrides"]) == {"flashinfer-python"}
+
+
+def test_overrides_are_roots_recorded_with_their_reason():
+    """Every override is a pin of runtime-requirements.txt, recorded in the lock as the generator
+    has it, and overrides a requirement some locked package really makes (a decision)."""
+    mod = lock_runtime()
+    assert LOCK["overrides"] == dict(sorted(mod.OVERRIDES.items()))
+    for name in LOCK["overrides"]:
+        assert ROOTS[name].specifier.contains(PACKAGES[name]["version"])
+        others = [Requirement(r) for p in LOCK["packages"] for r in p["requires_dist"]
+                  if canonicalize_name(Requirement(r).name) == name]
+        assert any(not r.specifier.contains(PACKAGES[name]["version"]) for r in others), name
+
+
+def test_repin_takes_the_hash_and_requirements_from_the_wheel(tmp_path):
+    """--repin writes what the file says: its sha256, its own Requires-Dist; and refuses a wheel of a
+    package that is not overridden or of another version than the root pins."""
+    import hashlib
+    import zipfile
+    mod = lock_runtime()
+    wheel = tmp_path / "flashinfer_python-0.6.18-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("flashinfer_python-0.6.18.dist-info/METADATA",
+                   "Metadata-Version: 2.1\nName: flashinfer-python\nVersion: 0.6.18\nRequires-Dist: numpy\n")
+    lock = mod.repin(LOCK, wheel, LOCK["requirements"])
+    entry = next(p for p in lock["packages"] if p["name"] == "flashinfer-python")
+    assert entry["sha256"] == hashlib.sha256(wheel.read_bytes()).hexdigest()
+    assert entry["requires_dist"] == ["numpy"]
+    other = tmp_path / "flashinfer_python-0.6.17-py3-none-any.whl"
+    other.write_bytes(wheel.read_bytes())
+    with pytest.raises(SystemExit, match="pins flashinfer-python==0.6.18"):
+        mod.repin(LOCK, other, LOCK["requirements"])
+    with pytest.raises(SystemExit, match="OVERRIDES"):
+        mod.repin(LOCK, tmp_path / "b12x-1.2.6-py3-none-any.whl", LOCK["requirements"])
 
 
 def test_the_roots_are_the_requirements_file():
@@ -124,12 +185,7 @@ def test_fetch_arguments_rebuild_every_locked_file_name(nix_instantiate):
 def test_exclusions_are_applied_and_recorded():
     """What nix/lock-runtime.py leaves out is out of the lock, with its reason, and re-applying
     the exclusions to the lock changes nothing (the lock is what the generator writes)."""
-    import importlib.util
-    import sys
-    spec = importlib.util.spec_from_file_location("lock_runtime", REPO / "nix/lock-runtime.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["lock_runtime"] = mod
-    spec.loader.exec_module(mod)
+    mod = lock_runtime()
     assert LOCK["excluded"] == mod.EXCLUDED and "torchcodec" in mod.EXCLUDED
     assert not set(mod.EXCLUDED) & set(PACKAGES)
     assert mod.apply_exclusions(LOCK) == LOCK
