@@ -134,6 +134,23 @@ let
   apiKeyEnvironment = lib.optionalAttrs (cfg.apiKeyFile != null) {
     DSPARK_API_KEY_FILE = cfg.apiKeyFile;
   };
+  # A unit of this host's role: started at boot with autoStart, restarted with the cluster file.
+  roleUnit =
+    {
+      environment ? { },
+      serviceConfig ? { },
+    }:
+    {
+      inherit wantedBy;
+      environment = unitEnvironment // environment;
+      restartTriggers = [ clusterFile ];
+      serviceConfig = userConfig // serviceConfig;
+    };
+  # The head's units get the key: dspark-head serves the API, the dashboard calls it.
+  headUnit = roleUnit {
+    environment = apiKeyEnvironment;
+    serviceConfig = apiKeyConfig;
+  };
 
   # What the firewall must let through between the nodes, and what is left open to clients.
   fabric = if known then self.socket_ifname else null;
@@ -371,12 +388,7 @@ in
     })
 
     (mkIf isHead {
-      systemd.services.dspark-head = {
-        inherit wantedBy;
-        environment = unitEnvironment // apiKeyEnvironment;
-        restartTriggers = [ clusterFile ];
-        serviceConfig = userConfig // apiKeyConfig;
-      };
+      systemd.services.dspark-head = headUnit;
       # The head's dspark-worker-ready.target requires this oneshot, which waits for every
       # worker's agent listed in the same cluster file (one host per node: all are remote).
       systemd.services.dspark-wait-worker = {
@@ -386,27 +398,13 @@ in
           Group = "dspark";
         };
       };
-      systemd.services.dspark-dashboard =
-        if cfg.dashboard.enable then
-          {
-            inherit wantedBy;
-            environment = unitEnvironment;
-            restartTriggers = [ clusterFile ];
-            serviceConfig = userConfig // apiKeyConfig;
-          }
-        else
-          { enable = false; };
+      systemd.services.dspark-dashboard = if cfg.dashboard.enable then headUnit else { enable = false; };
       systemd.services.dspark-worker.enable = false;
       networking.firewall.allowedTCPPorts = mkIf cfg.openFirewall [ self.api_port ];
     })
 
     (mkIf (known && !isHead) {
-      systemd.services.dspark-worker = {
-        inherit wantedBy;
-        environment = unitEnvironment;
-        restartTriggers = [ clusterFile ];
-        serviceConfig = userConfig;
-      };
+      systemd.services.dspark-worker = roleUnit { };
       systemd.services.dspark-head.enable = false;
       systemd.services.dspark-wait-worker.enable = false;
       systemd.services.dspark-dashboard.enable = false;
