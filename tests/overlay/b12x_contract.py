@@ -224,3 +224,48 @@ def validation_rule_source() -> str:
     fn = next(n for n in _tree(IMPL).body if isinstance(n, ast.FunctionDef)
               and n.name == "_validate_fp4_source_format_for_quant_mode")
     return ast.unparse(fn)
+
+
+W4A16_KERNEL = "b12x.moe._shared.kernels.w4a16.kernel"
+W4A16_HOST = "b12x.moe._shared.kernels.w4a16.host"
+
+
+def real_functions(module: str, names: tuple[str, ...]) -> dict[str, object]:
+    """b12x's own pure-Python functions ``names`` of ``module``, compiled from the pinned
+    sources with every module-level function and constant they reach (transitively).
+    Refuses one that reaches an import (torch, cutlass, ...): only host arithmetic runs."""
+    tree = _tree(module)
+    defs: dict[str, ast.stmt] = {}
+    imported: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defs[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    defs[t.id] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+    wanted: list[str] = []
+    todo = list(names)
+    while todo:  # bounded: each module-level name is taken once
+        name = todo.pop()
+        if name in wanted:
+            continue
+        if name in imported or name not in defs:
+            raise AssertionError(f"{module}.{name} is not pure host code here")
+        wanted.append(name)
+        node = defs[name]
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
+                ref = sub.id
+                if ref in defs and ref not in wanted:
+                    todo.append(ref)
+                elif ref in imported and ref not in ("annotations",):
+                    raise AssertionError(f"{module}.{name} reaches the import {ref}")
+    order = [n for n in tree.body if any(defs.get(w) is n for w in wanted)]
+    code = compile(ast.Module(body=order, type_ignores=[]), str(_module_file(module)), "exec")
+    ns: dict[str, object] = {"__name__": module}
+    exec(code, ns)
+    return {n: ns[n] for n in wanted}

@@ -47,6 +47,8 @@ def write_package(dest: Path) -> Path:
         body = "import b12x_standin as _s\n_s.IMPORTED.append(__name__)\n"
         if name == "b12x.moe.fused_moe.api":
             body += "_s.install_api(globals())\n"
+        if name == contract.W4A16_KERNEL:
+            body += "_s.install_w4a16_kernel(globals())\n"
         path.write_text(body)
     return dest
 
@@ -171,6 +173,35 @@ def expected_output(a: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -
     return (a.float() * scale).to(a.dtype)
 
 
+# b12x's own host-side W4A16 tile selection (pure Python in the pinned sources), run as is.
+W4A16_KERNEL_FUNCTIONS = ("_select_tile_config", "_candidate_tile_fits",
+                          "_determine_blocks_per_sm", "_covering_count",
+                          "_DEFAULT_MAX_SHARED_MEM")
+
+
+def install_w4a16_kernel(ns: dict) -> None:
+    ns.update(contract.real_functions(contract.W4A16_KERNEL, W4A16_KERNEL_FUNCTIONS))
+
+
+def select_tiles(a: torch.Tensor, experts: "ExpertWeights", top_k: int) -> None:
+    """Ask the W4A16 kernel module's tile selector (whatever the module holds now, a wrapper
+    included) for FC1 and FC2 of a launch, with the arguments b12x's
+    ``compile_w4a16_fused_moe`` passes for byte-preserved E8M0 K/32 weights, its no-CUDA
+    device figures (120 SMs, ``_DEFAULT_MAX_SHARED_MEM``) and its own route block size."""
+    import sys
+
+    kernel = sys.modules[contract.W4A16_KERNEL]
+    host = contract.real_functions(contract.W4A16_HOST, ("select_route_block_size_m",))
+    m, k, n = int(a.shape[0]), experts.hidden_size, experts.intermediate_size
+    block = host["select_route_block_size_m"](m, top_k, experts.num_experts)
+    common = dict(moe_block_size=block, sms=120, max_shared_mem=kernel._DEFAULT_MAX_SHARED_MEM,
+                  scale_format="e8m0_k32", weight_layout="packed", weight_bits=4)
+    for stage, args in (("fc1", dict(problem_m=m, problem_n=2 * n, problem_k=k, top_k=top_k)),
+                        ("fc2", dict(problem_m=m * top_k, problem_n=k, problem_k=n, top_k=1))):
+        tile = kernel._select_tile_config(**args, **common)
+        CALLS.append(("select_tile_config", {"stage": stage, **args, **common, "tile": tile}))
+
+
 def install_api(ns: dict) -> None:
     def plan_weights(*args, **kwargs):
         kw = _bind("plan_weights", contract.api_signature("plan_weights"), args, kwargs)
@@ -234,6 +265,7 @@ def install_api(ns: dict) -> None:
     def run(*args, **kwargs):
         kw = _bind("run", contract.api_signature("run"), args, kwargs)
         b = kw["binding"]
+        select_tiles(b["a"], b["experts"], int(b["topk_ids"].shape[1]))
         result = expected_output(b["a"], b["topk_ids"], b["topk_weights"])
         out = b.get("output")
         if out is None:

@@ -186,12 +186,13 @@ def check_weight_path(site: Path) -> None:
         "w4a16", "fp4_e8m0_k32", "silu"), wplan
     assert (wplan["num_experts"], wplan["hidden_size"], wplan["intermediate_size"]) == (E, K, N)
     assert wplan["params_dtype"] == torch.bfloat16
-    # The checkpoint's bytes reached b12x: w13 rows are [gate (w1), up (w3)].
+    # The checkpoint's bytes reached b12x: w13 rows are [gate (w1), up (w3)] (FP4 -0
+    # nibbles written as +0 on SM12x: the same values, see check_fp4_negative_zero).
     ck = checkpoint()
     prep = dict(calls[1][1])
-    assert torch.equal(prep["w1_fp4"][3, :N], ck[(3, "w1", "weight")])
-    assert torch.equal(prep["w1_fp4"][3, N:], ck[(3, "w3", "weight")])
-    assert torch.equal(prep["w2_fp4"][5], ck[(5, "w2", "weight")])
+    assert torch.equal(prep["w1_fp4"][3, :N], positive_zero(ck[(3, "w1", "weight")]))
+    assert torch.equal(prep["w1_fp4"][3, N:], positive_zero(ck[(3, "w3", "weight")]))
+    assert torch.equal(prep["w2_fp4"][5], positive_zero(ck[(5, "w2", "weight")]))
     # Scales went through vLLM's E8M0 encoding (2**x -> x + 127).
     want = (torch.log2(ck[(2, "w2", "scale")]) + 127).to(torch.uint8)
     assert torch.equal(prep["w2_blockscale"][2], want)
@@ -199,6 +200,105 @@ def check_weight_path(site: Path) -> None:
     for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
         assert getattr(layer, name).numel() == 0, name
     assert method.moe_kernel is not None
+
+
+# FP4 E2M1 code -> value (OCP MX): sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def nibbles(packed):
+    import torch
+
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+
+
+def fp4_values(packed):
+    import torch
+
+    n = nibbles(packed).long()
+    mag = torch.tensor(E2M1)[n & 7]
+    return torch.where(n >= 8, -mag, mag)
+
+
+def positive_zero(packed):
+    """The test's own rewrite: nibble 8 (-0) -> 0, every other nibble kept."""
+    n = nibbles(packed)
+    n = n.masked_fill(n == 8, 0)
+    return n[..., 0] | (n[..., 1] << 4)
+
+
+def check_fp4_negative_zero(site: Path) -> None:
+    """FP4 negative-zero nibbles (0b1000) are written as +0 before b12x prepares the
+    weights (the v0.28.0 line and upstream's b12x backend both do it), through vLLM's
+    loading and process_weights_after_loading; every value stays the same."""
+    import torch
+
+    s = standin()
+    s.CALLS.clear()
+    build_method()
+    prep = next(c[1] for c in s.CALLS if c[0] == "prepare_weights")
+    ck = checkpoint()
+    w13 = torch.stack([torch.cat((ck[(e, "w1", "weight")], ck[(e, "w3", "weight")])) for e in range(E)])
+    w2 = torch.stack([ck[(e, "w2", "weight")] for e in range(E)])
+    for name, source in (("w1_fp4", w13), ("w2_fp4", w2)):
+        assert int((nibbles(source) == 8).sum()) > 0, "the checkpoint holds no -0 to rewrite"
+        got = prep[name]
+        assert int((nibbles(got) == 8).sum()) == 0, f"{name}: -0 nibbles reached b12x"
+        assert torch.equal(got, positive_zero(source)), name
+        assert torch.equal(fp4_values(got), fp4_values(source)), f"{name}: a value changed"
+
+
+def check_topk_sentinels(site: Path) -> None:
+    """-1 top-k ids (vLLM's top-k kernels write them for CUDA-graph padding rows with
+    VLLM_MOE_SKIP_PADDING, on by default) reach b12x as expert 0 with weight 0, through
+    Mxfp4MoEMethod.apply and FusedMoEKernel; the real rows' output is unchanged."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    s = standin()
+    method, layer = build_method()
+    g = torch.Generator().manual_seed(3)
+    tokens = 24  # above the 16-row minimum: the launch is not padded
+    x = torch.randn(tokens, K, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, E, (tokens, TOPK), generator=g, dtype=torch.int32)
+    weights = torch.rand(tokens, TOPK, generator=g)
+    ids[20:] = -1  # four graph-padding rows
+    ids[3, 1] = -1
+    s.CALLS.clear()
+    with set_current_vllm_config(VllmConfig()), sm12x():
+        out = method.apply(layer, x, weights, ids, shared_experts=None, shared_experts_input=None)
+    bind = next(c[1] for c in s.CALLS if c[0] == "Plan.bind")
+    assert int((bind["topk_ids"] < 0).sum()) == 0, "a -1 expert id reached b12x"
+    dropped = ids < 0
+    assert torch.equal(bind["topk_ids"], ids.masked_fill(dropped, 0))
+    assert torch.equal(bind["topk_weights"], weights.masked_fill(dropped, 0.0))
+    want = s.expected_output(x, ids.masked_fill(dropped, 0), weights.masked_fill(dropped, 0.0))
+    torch.testing.assert_close(out, want)
+    assert ids[3, 1] == -1 and weights[3, 1] != 0  # the caller's tensors are untouched
+
+
+def check_min_tokens_pad(site: Path) -> None:
+    """On SM12x every b12x MoE launch has at least 16 token rows (the v0.28.0 line's pad:
+    8-row launches faulted on GB10): b12x plans and binds 16 rows for 1..15 tokens, through
+    FusedMoEKernel's workspace and output; the real rows' output is exact."""
+    import torch
+
+    s = standin()
+    method, layer = build_method()
+    for tokens in (1, 5, 15, 16, 37):
+        s.CALLS.clear()
+        x, ids, weights, out = run_apply(method, layer, tokens=tokens)
+        binds = [c[1] for c in s.CALLS if c[0] == "Plan.bind"]
+        assert [b["a"].shape[0] for b in binds] == [max(tokens, 16)], (tokens, binds)
+        b = binds[0]
+        assert b["plan"].caps.max_tokens == max(tokens, 16) if "plan" in b else True
+        assert out.shape == (tokens, K)
+        torch.testing.assert_close(out, s.expected_output(x, ids, weights))
+        if tokens < 16:
+            assert int(b["topk_weights"][tokens:].abs().sum()) == 0, "pad rows weigh"
+    caps = sorted({c[1]["max_tokens"] for c in s.CALLS if c[0] == "Caps"} |
+                  {p.caps.max_tokens for p in method.moe_kernel.fused_experts._plans.values()})
+    assert min(caps) >= 16, caps
 
 
 def check_apply_through_modular_kernel(site: Path) -> None:
@@ -253,42 +353,132 @@ def check_nvfp4_a16_refused(site: Path) -> None:
         del os.environ["VLLM_B12X_MOE_FP4_FORCE_A16"]
 
 
+def _tiles(s) -> dict[str, tuple]:
+    return {c[1]["stage"]: tuple(c[1]["tile"]) for c in s.CALLS if c[0] == "select_tile_config"}
+
+
 def check_small_m_override(site: Path) -> None:
+    """VLLM_B12X_W4A16_FORCE_TILE_CONFIG reaches b12x's W4A16 tile selection (b12x's own
+    _select_tile_config, _candidate_tile_fits and _determine_blocks_per_sm, run from the
+    pinned sources by the stand-in at every launch) through vLLM's path: set in the
+    environment, read through vllm.envs at backend construction, installed after weight
+    preparation. A tile b12x's fit check refuses keeps b12x's choice; a forced blocks-per-SM
+    figure (no b12x path takes one) is refused, 0 (off) is accepted."""
+    import sys
+
     from vllm.utils import spark_sm12x as m
 
-    off = m.read_small_m_override({m.B12X_FORCE_BLOCKS_PER_SM: "0"})
-    assert not off.active and off.blocks_per_sm is None
-    on = m.read_small_m_override({m.B12X_FORCE_BLOCKS_PER_SM: "2"})
-    assert on.active and on.applies_to(16) and not on.applies_to(17)
-    # The installer wraps b12x's W4A16 tile selector (its real keyword-only signature).
-    import types
-
-    import b12x_contract as contract
-
-    sig = contract.function_signature("b12x.moe._shared.kernels.w4a16.kernel",
-                                      "_select_tile_config")
-
-    def select(*args, **kwargs):
-        sig.bind(*args, **kwargs)
-        return (128, 64, 128, 1)
-
-    mod = types.SimpleNamespace(_select_tile_config=select)
-    assert not m.install_small_m_override(mod, off) and mod._select_tile_config is select
-    tiled = m.read_small_m_override({m.B12X_FORCE_BLOCKS_PER_SM: "3",
-                                     m.B12X_FORCE_TILE_CONFIG: "256,32,256"})
-    assert m.install_small_m_override(mod, tiled)
-    assert m.install_small_m_override(mod, tiled)  # idempotent: wraps the original once
-    args = dict(problem_n=2048, problem_k=4096, top_k=6, moe_block_size=16, sms=48,
-                max_shared_mem=99 * 1024)
-    assert mod._select_tile_config(problem_m=8, **args) == (256, 32, 256, 3)
-    assert mod._select_tile_config(problem_m=17, **args) == (128, 64, 128, 1)
-    assert mod._select_tile_config(problem_m=8, required_cta_threads=128, **args) == (128, 64, 128, 3)
+    s = standin()
+    kernel = sys.modules["b12x.moe._shared.kernels.w4a16.kernel"]
+    own = kernel._select_tile_config
     try:
-        m.read_small_m_override({m.B12X_FORCE_BLOCKS_PER_SM: "-1"})
-    except ValueError as e:
-        assert m.B12X_FORCE_BLOCKS_PER_SM in str(e)
-    else:
-        raise AssertionError("-1 accepted")
+        method, layer = build_method()
+        s.CALLS.clear()
+        run_apply(method, layer)
+        stock = _tiles(s)
+        assert stock["fc1"][:3] == stock["fc2"][:3] == (128, 128, 256), stock
+        s.CALLS.clear()
+        run_apply(method, layer, tokens=37)
+        stock37 = _tiles(s)
+        s.CALLS.clear()
+        run_apply(method, layer, tokens=4)
+        stock4 = _tiles(s)
+        # b12x asks FC1 with the launch's rows and FC2 with rows x top-k (2 here); a 5-token
+        # launch runs 16 rows on SM12x: FC1 16, FC2 32, both at most FORCE_BLOCKS_MAX_M=64.
+        env = {m.B12X_FORCE_TILE_CONFIG: "64,128,128", m.B12X_FORCE_BLOCKS_PER_SM: "0",
+               m.B12X_FORCE_BLOCKS_MAX_M: "64"}
+        method, layer = build_method(env)
+        s.CALLS.clear()
+        run_apply(method, layer)
+        forced = _tiles(s)
+        assert forced["fc1"][:3] == forced["fc2"][:3] == (64, 128, 128), forced
+        assert all(t[3] >= 1 for t in forced.values()), forced
+        s.CALLS.clear()
+        run_apply(method, layer, tokens=37)  # FC1 37 (forced), FC2 74 (above 64: b12x's)
+        got = _tiles(s)
+        assert got["fc1"][:3] == (64, 128, 128) and got["fc2"] == stock37["fc2"], (got, stock37)
+        # MAX_M read through vllm.envs: 4 tokens is above a limit of 3.
+        method, layer = build_method({**env, m.B12X_FORCE_BLOCKS_MAX_M: "3"})
+        s.CALLS.clear()
+        run_apply(method, layer, tokens=4)
+        assert _tiles(s) == stock4 and stock4["fc1"][:3] != (64, 128, 128), (_tiles(s), stock4)
+        # N=256 is no multiple of tile_n 512: b12x's fit check refuses it, its tile stays.
+        method, layer = build_method({m.B12X_FORCE_TILE_CONFIG: "128,512,256"})
+        s.CALLS.clear()
+        run_apply(method, layer)
+        assert _tiles(s) == stock, (_tiles(s), stock)
+        try:
+            build_method({m.B12X_FORCE_BLOCKS_PER_SM: "2"})
+        except ValueError as e:
+            assert m.B12X_FORCE_BLOCKS_PER_SM in str(e), e
+        else:
+            raise AssertionError("a forced blocks-per-SM figure was accepted")
+    finally:
+        kernel._select_tile_config = getattr(own, "__dspark_original__", own)
+
+
+OVERLAY_ENV_VALUES = {
+    "VLLM_B12X_MOE_FP4_FORCE_A16": ("1", True),
+    "VLLM_B12X_W4A16_FORCE_BLOCKS_PER_SM": ("0", 0),
+    "VLLM_B12X_W4A16_FORCE_BLOCKS_MAX_M": ("8", 8),
+    "VLLM_B12X_W4A16_FORCE_TILE_CONFIG": ("64,128,128", "64,128,128"),
+}
+
+
+def overlay_env_names() -> list[str]:
+    """Every VLLM_* name the overlay's patches add (their + lines)."""
+    import re
+
+    overlay = Path(__file__).resolve().parents[2] / "overlay"
+    names = set()
+    for patch in sorted(overlay.glob("*.patch")):
+        for line in patch.read_text().splitlines():
+            if line.startswith("+") and not line.startswith("+++"):
+                names.update(re.findall(r"\bVLLM_[A-Z0-9_]+", line))
+    return sorted(names)
+
+
+def check_env_registered(site: Path) -> None:
+    """Each variable the overlay reads, set alone, passes vLLM's own environment validation
+    (envs.validate_environ, as EngineArgs.create_engine_config calls it with
+    --fail-on-environ-validation parsed by vLLM's own CLI parser: unknown VLLM_* names are
+    an error there, a warning otherwise) and reads back typed through vllm.envs."""
+    import logging
+
+    from vllm import envs
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    names = overlay_env_names()
+    assert set(OVERLAY_ENV_VALUES) <= set(names), names
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--fail-on-environ-validation"]))
+    assert args.fail_on_environ_validation is True
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger(envs.__name__).addHandler(handler)
+    failures = []
+    try:
+        for name in names:
+            # A name the patches only mention (one vLLM itself reads) is validated alone.
+            raw, typed = OVERLAY_ENV_VALUES.get(name, ("1", None))
+            os.environ[name] = raw
+            try:
+                envs.validate_environ(False)
+                try:
+                    envs.validate_environ(args.fail_on_environ_validation)
+                except ValueError as e:
+                    failures.append(str(e))
+                    continue
+                if name in OVERLAY_ENV_VALUES:
+                    assert getattr(envs, name) == typed, (name, getattr(envs, name))
+            finally:
+                del os.environ[name]
+    finally:
+        logging.getLogger(envs.__name__).removeHandler(handler)
+    unknown = [w for w in warnings if "Unknown vLLM environment variable" in w]
+    assert not failures and not unknown, (failures, unknown)
 
 
 def check_eager_modules(site: Path) -> None:
@@ -327,8 +517,9 @@ def check_provider_warmup(site: Path) -> None:
     names = [c[0] for c in s.CALLS]
     assert "route" not in names, names
     binds = [c[1]["a"].shape[0] for c in s.CALLS if c[0] == "Plan.bind"]
-    assert sorted(binds) == [1, 6, 24, 64], binds
-    assert names.count("run") == 4, names
+    # 1 and 6 tokens launch as 16 rows on SM12x (the 16-row minimum): one launch.
+    assert sorted(binds) == [16, 24, 64], binds
+    assert names.count("run") == 3, names
 
 
 CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("check_")}

@@ -27,6 +27,10 @@ NAMES = (
     "small_m_override",
     "eager_modules",
     "provider_warmup",
+    "env_registered",
+    "fp4_negative_zero",
+    "topk_sentinels",
+    "min_tokens_pad",
 )
 
 pytestmark = pytest.mark.skipif(
@@ -161,3 +165,38 @@ def test_eager_modules_exist_in_the_pinned_b12x():
     used = {m for m in lazy if m.startswith("b12x.moe._shared.kernels.w4a16")
             or m.endswith("tiny_decode")}
     assert used <= set(names), sorted(used - set(names))
+
+
+def test_every_b12x_caller_of_the_tile_selector_drops_its_blocks_per_sm():
+    """Why VLLM_B12X_W4A16_FORCE_BLOCKS_PER_SM is refused rather than wrapped in: in the
+    pinned b12x every call of the W4A16 ``_select_tile_config`` (outside the selector itself)
+    unpacks four values and discards the fourth; the kernel computes its blocks per SM in
+    its constructor (``_determine_blocks_per_sm``)."""
+    root = contract.source_root()
+    calls = []
+    for path in sorted((root / "b12x").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
+                continue
+            func = node.value.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name != "_select_tile_config":
+                continue
+            (target,) = node.targets
+            assert isinstance(target, ast.Tuple) and len(target.elts) == 4, ast.unparse(node)
+            last = target.elts[3]
+            assert isinstance(last, ast.Name) and last.id == "_", (path, ast.unparse(node))
+            calls.append((path.name, node.lineno))
+    # Any other use of the selector (an expression statement, an argument) would not be an
+    # Assign; count every reference to be sure none escaped the check above.
+    refs = [(p.name, n.lineno) for p in sorted((root / "b12x").rglob("*.py"))
+            for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None))
+            == "_select_tile_config"]
+    assert calls and sorted(calls) == sorted(refs), (calls, refs)
+    kernel = ast.parse(contract._module_file(contract.W4A16_KERNEL).read_text())
+    init = next(n for n in ast.walk(kernel) if isinstance(n, ast.FunctionDef)
+                and n.name == "__init__" and "self.blocks_per_sm = _determine_blocks_per_sm("
+                in ast.unparse(n))
+    assert init is not None
