@@ -23,10 +23,10 @@ class AgentAnswer:
 
 def fetch_state(url: str, timeout: float = 2.0) -> AgentAnswer:
     """One `GET /state` from the agent at `url` (its base URL). Never raises."""
-    from .http import HTTPFailure, get_object
+    from .http import MAX_STATE_BYTES, HTTPFailure, get_object
 
-    try:
-        s = get_object(url.rstrip("/") + "/state", timeout=timeout)
+    try:  # at most MAX_STATE_BYTES and MAX_JSON_DEPTH deep: a hostile peer is "unreachable"
+        s = get_object(url.rstrip("/") + "/state", timeout=timeout, max_bytes=MAX_STATE_BYTES)
     except HTTPFailure as e:
         # A refused connection stays distinguishable from a timeout: the supervisor is gone.
         return AgentAnswer(None, refused=e.refused, error=str(e))

@@ -10,6 +10,10 @@ supervisor's probes. httpx rather than urllib because it closes three classes of
 - bodies are streamed and refused past `MAX_BODY_BYTES` (`MAX_LINE_BYTES` per line of an
   event stream) instead of being read into memory whole.
 
+Every JSON answer is parsed by `parse_json`, with a size and a nesting bound: a peer's
+hostile answer (`[[[[...` nested past the interpreter's recursion limit) is refused as a
+ValueError (`JSONRefused`), never a RecursionError that escapes the caller.
+
 These limits are dspark's HTTP policy, written only here.
 """
 
@@ -24,6 +28,43 @@ from typing import Iterator
 MAX_BODY_BYTES = 16 * 1024 * 1024   # any one answer (vLLM's /metrics is a few hundred KiB)
 MAX_LINE_BYTES = 1024 * 1024        # one line of a server-sent event stream
 MAX_REDIRECTS = 5
+MAX_JSON_DEPTH = 64                 # an agent's /state nests 4 levels, vLLM's answers fewer than 10
+MAX_STATE_BYTES = 1024 * 1024       # an agent's /state is a few KiB
+
+
+class JSONRefused(ValueError):
+    """A JSON text refused by `parse_json`: not JSON, too large or nested too deeply."""
+
+
+def _depth_over(value, limit: int) -> bool:
+    """True when `value` nests more than `limit` levels (iterative: no recursion to exhaust)."""
+    todo = [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        if d > limit:
+            return True
+        todo.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return False
+
+
+def parse_json(text: bytes | str, *, max_bytes: int = MAX_BODY_BYTES, max_depth: int = MAX_JSON_DEPTH):
+    """The JSON value of a peer's answer, at most `max_bytes` long and `max_depth` levels deep;
+    anything else raises JSONRefused (a ValueError), whatever the text holds."""
+    if len(text) > max_bytes:
+        raise JSONRefused(f"JSON larger than {max_bytes:,} bytes")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise JSONRefused(f"JSON nested more than {max_depth} levels deep") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise JSONRefused(f"not JSON ({e})") from None
+    if _depth_over(value, max_depth):
+        raise JSONRefused(f"JSON nested more than {max_depth} levels deep")
+    return value
 
 
 class HTTPFailure(Exception):
@@ -43,8 +84,9 @@ class Response:
     body: bytes
     elapsed_s: float
 
-    def json(self):
-        return json.loads(self.body)
+    def json(self, max_depth: int = MAX_JSON_DEPTH):
+        """The body as JSON within `parse_json`'s bounds; JSONRefused (a ValueError) if not."""
+        return parse_json(self.body, max_depth=max_depth)
 
 
 _client = None
@@ -170,20 +212,21 @@ def request(url: str, *, data: dict | None = None, timeout: float = 5.0, token: 
         return Response(s.status, body, time.monotonic() - t0)
 
 
-def get_json(url: str, timeout: float = 5.0, token: str | None = None):
-    r = request(url, timeout=timeout, token=token)
+def get_json(url: str, timeout: float = 5.0, token: str | None = None, max_bytes: int = MAX_BODY_BYTES):
+    """A 200 answer's JSON value (at most `max_bytes`, MAX_JSON_DEPTH deep); HTTPFailure if not."""
+    r = request(url, timeout=timeout, token=token, max_bytes=max_bytes)
     if r.status != 200:
         raise HTTPFailure(f"{url}: HTTP {r.status}")
     try:
         return r.json()
-    except ValueError:
-        raise HTTPFailure(f"{url}: answer is not JSON") from None
+    except JSONRefused as e:
+        raise HTTPFailure(f"{url}: answer refused: {e}") from None
 
 
-def get_object(url: str, timeout: float = 5.0, token: str | None = None) -> dict:
+def get_object(url: str, timeout: float = 5.0, token: str | None = None, max_bytes: int = MAX_BODY_BYTES) -> dict:
     """get_json for answers that must be a JSON object (an agent's /state, vLLM's /version):
     anything else is an HTTPFailure, never a crash in the caller."""
-    value = get_json(url, timeout=timeout, token=token)
+    value = get_json(url, timeout=timeout, token=token, max_bytes=max_bytes)
     if not isinstance(value, dict):
         raise HTTPFailure(f"{url}: answer is JSON but not an object")
     return value

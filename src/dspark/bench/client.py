@@ -7,13 +7,12 @@ tokens than asked for, a stream that never ends) is a BenchError that says so.""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
 from .. import http
 from .. import vllm_facts as F
-from ..http import HTTPFailure, Response, request
+from ..http import HTTPFailure, Response, parse_json, request
 from . import metrics
 
 
@@ -141,7 +140,7 @@ class StreamResult:
 
 def _error_message(body: bytes) -> str:
     try:
-        err = json.loads(body).get("error")
+        err = parse_json(body).get("error")
         if isinstance(err, dict):
             return err.get("message") or str(err)
         return str(err or body[:300])
@@ -199,7 +198,7 @@ def stream_completion(target: Target, model: str, prompt: list[int] | tuple[int,
                 if data == b"[DONE]":
                     done = True
                     break
-                chunk = json.loads(data)
+                chunk = parse_json(data)
                 if not isinstance(chunk, dict):
                     raise BenchError(f"{where}: a stream chunk is not a JSON object: {data[:80]!r}")
                 if "error" in chunk:
