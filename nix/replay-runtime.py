@@ -428,6 +428,18 @@ def named_sonames(path: Path) -> set[str]:
     return out
 
 
+AUDITWHEEL_HASH = re.compile(r"[-.][0-9a-f]{8}$")
+
+
+def stem(name: str) -> str:
+    """A library's name without its .so suffix and any hashes auditwheel or delvewheel added:
+    libgfortran-daac5196-038a5e3c.so.5.0.0 -> libgfortran."""
+    base = name.split(".so", 1)[0]
+    while (shorter := AUDITWHEEL_HASH.sub("", base)) != base:
+        base = shorter
+    return base
+
+
 def dependency_groups(names: set[str]) -> list[list[str]]:
     """One dependency per library: "libibverbs.so" and "libibverbs.so.1" in one object are the
     names it tries for one library (NCCL: "Failed to open libibverbs.so[.1]")."""
@@ -449,17 +461,20 @@ class LoadCheck:
     unresolved: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
+        loaded = sum("-> already loaded" in r for r in self.resolved)
         return (f"{self.checked} libraries named outside DT_NEEDED in {self.objects} objects: "
-                f"{len(self.resolved)} resolve through the object's RPATH, {len(self.glibc)} glibc's, "
+                f"{len(self.resolved) - loaded} resolve through the object's RPATH, {loaded} are already "
+                f"loaded (its DT_NEEDED closure or runtime-build.json preloaded), {len(self.glibc)} glibc's, "
                 f"{len(self.driver)} the driver's, {len(self.absent)} deliberately absent "
                 f"(runtime-build.json dlopen_absent), {len(self.unresolved)} unresolved")
 
 
 def build_runpaths(build: dict) -> list[str]:
-    """What runtime.nix appends to every object's RPATH (appendRunpaths): the driver's directory
-    and the lib/ of each host library marked append_runpath."""
-    return ["driver"] + [f"nixpkgs {lib['attr']}" for lib in build["host_libraries"]
-                         if lib.get("append_runpath")]
+    """What runtime.nix appends to every object's RPATH (appendRunpaths): the driver's directory,
+    the lib/ of each host library marked append_runpath, and runtime-build.json's
+    append_runpaths ("$ORIGIN": the object's own directory)."""
+    return (["driver"] + [f"nixpkgs {lib['attr']}" for lib in build["host_libraries"] if lib.get("append_runpath")]
+            + [entry["path"] for entry in build.get("append_runpaths", [])])
 
 
 def check_runtime_loads(elves: list[Elf], prefix: Path, build: dict, machine: int = EM_AARCH64) -> LoadCheck:
@@ -497,22 +512,54 @@ def check_runtime_loads(elves: list[Elf], prefix: Path, build: dict, machine: in
             in_dir.setdefault(d, set()).add(name)
     appended = build_runpaths(build)
     driver_globs = build["driver_library_globs"] + build["driver_libraries"]
-    absent = {so: entry["why"] for entry in build.get("dlopen_absent", []) for so in entry["sonames"]}
+    absent = build.get("dlopen_absent", [])
+    versioned = build.get("dlopen_versioned", [])
+    by_path = {e.path: e for e in elves}
+
+    def closure(e: Elf) -> set[str]:
+        """Every soname loaded with `e`: its DT_NEEDED, theirs, ... (within the output)."""
+        seen: set[str] = set()
+        todo = list(e.needed)
+        while todo:
+            lib = todo.pop()
+            if lib in seen:
+                continue
+            seen.add(lib)
+            for d in sorted(dirs_of.get(lib, ())):
+                dep = by_path.get(prefix / d / lib) or by_path.get((prefix / d / lib).resolve())
+                if dep is not None:
+                    todo += dep.needed
+                    if dep.soname:
+                        seen.add(dep.soname)
+                    break
+        return seen
+
+    # What every process of the runtime has loaded before anything dlopens (runtime-build.json
+    # preloaded: torch's CUDA library, which `import torch` loads, and its DT_NEEDED closure).
+    preloaded: set[str] = set()
+    for entry in build.get("preloaded", []):
+        for e in elves:
+            if e.path.relative_to(prefix).as_posix().endswith(entry["object"]):
+                preloaded |= closure(e) | {e.soname or e.path.name}
     out = LoadCheck()
     for e in elves:
         if e.type not in (2, 3) or e.machine != machine:
             continue
+        # Its own names and those of what it links, also as auditwheel had them before renaming
+        # (patchelf --replace-needed leaves the old name in .dynstr): not libraries it loads.
         own = {e.path.name, e.soname, *e.needed}
-        named = named_sonames(e.path)
-        groups = [g for g in dependency_groups(named - own)
-                  if not any(n in own for n in g)]
+        own_stems = {stem(n) for n in own if n}
+        named = {n for n in named_sonames(e.path) if n not in own and stem(n) not in own_stems}
+        groups = dependency_groups(named)
         groups += [g for g in e.dlopen_notes if not any(n in own for n in g)]
         if not groups:
             continue
+        loaded = closure(e) | preloaded
         out.objects += 1
         # The object's RUNPATH after autoPatchelf: sure entries, and for a name the output holds
         # in several directories (autoPatchelf takes the first it found) the set of candidates.
-        sure: set[str] = set(appended)
+        here = str(e.path.parent.relative_to(prefix))
+        sure: set[str] = {here if d == "$ORIGIN" else d for d in appended}
         either: list[set[str]] = []
         for lib in [*e.needed, *(n for g in e.dlopen_notes for n in g)]:
             if lib in glibc:
@@ -526,6 +573,10 @@ def check_runtime_loads(elves: list[Elf], prefix: Path, build: dict, machine: in
         for group in groups:
             out.checked += 1
             label = f"{rel}: {' / '.join(group)}"
+            # A library that appends its major version to the name it holds (cuDNN: "libcudnn_graph.so"
+            # + ".9"): the versioned name is looked for too.
+            group = group + [so + v["append"] for so in group for v in versioned
+                             if fnmatch.fnmatchcase(so, v["names"]) and rel.as_posix().endswith(tuple(v["objects"]))]
             def on_runpath(so: str) -> str | None:
                 hit = sorted(d for d in sure if so in in_dir.get(d, ()))
                 if hit:
@@ -539,9 +590,14 @@ def check_runtime_loads(elves: list[Elf], prefix: Path, build: dict, machine: in
                 out.resolved.append(f"{label} -> {found[1]}")
             elif any(so in glibc for so in group):
                 out.glibc.append(label)
+            elif any(so in loaded for so in group):
+                # glibc's dlopen returns an object already loaded under that soname.
+                why = "its DT_NEEDED closure" if any(so in loaded - preloaded for so in group) else "preloaded"
+                out.resolved.append(f"{label} -> already loaded ({why})")
             elif any(fnmatch.fnmatchcase(so, g) for so in group for g in driver_globs):
                 out.driver.append(label)
-            elif any(so in absent for so in group):
+            elif any(so in entry["sonames"] and rel.as_posix().endswith(tuple(entry["objects"]))
+                     for entry in absent for so in group):
                 out.absent.append(label)
             else:
                 out.unresolved.append(label)
