@@ -78,13 +78,15 @@ stdenv.mkDerivation {
   autoPatchelfIgnoreMissingDeps = build.driver_libraries;
   # autoPatchelf sets each object's RPATH to the directories of its resolved DT_NEEDED plus
   # these, on every object. Libraries that objects dlopen by soname without naming them
-  # DT_NEEDED are found only here: the driver's, and the host libraries runtime-build.json marks
-  # append_runpath (rdma-core: NCCL dlopens libibverbs and libmlx5). A patchelf in postFixup
+  # DT_NEEDED are found only here: the driver's, the host libraries runtime-build.json marks
+  # append_runpath (rdma-core: NCCL dlopens libibverbs and libmlx5), and its append_runpaths
+  # ($ORIGIN: cuDNN, nvrtc, cuBLASLt dlopen libraries beside them). A patchelf in postFixup
   # would be undone: stdenv runs postFixup before the postFixupHooks, where autoPatchelf runs.
   appendRunpaths = [
     "${addDriverRunpath.driverLink}/lib"
   ]
-  ++ map (l: "${lib.getLib (fromPkgs l.attr)}/lib") (lib.filter (l: l.append_runpath or false) build.host_libraries);
+  ++ map (l: "${lib.getLib (fromPkgs l.attr)}/lib") (lib.filter (l: l.append_runpath or false) build.host_libraries)
+  ++ map (e: e.path) (build.append_runpaths or [ ]);
 
   # A venv of the store's CPython (runtime-build.json's pyvenv_why): the entry points' shebangs
   # name $out/bin/python, which reads the .pth files of $out's site-packages.
