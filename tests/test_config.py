@@ -28,7 +28,7 @@ def test_fixture_loads_with_seed_defaults():
     s = c.serving
     # The seed's tested serving settings are the defaults.
     assert (s.tensor_parallel_size, s.max_model_len, s.max_num_seqs, s.max_num_batched_tokens) == (2, 350000, 12, 8192)
-    assert (s.gpu_memory_utilization, s.kv_cache_dtype, s.block_size) == (0.78, "nvfp4_ds_mla", 256)
+    assert (s.gpu_memory_utilization, s.kv_cache_dtype, s.block_size) == (0.835, "nvfp4_ds_mla", 256)
     assert s.speculative_config["num_speculative_tokens"] == 5
     assert s.cudagraph_capture_size == 72  # 12 x (5 + 1)
     assert c.node("spark-b").agent_url == "http://192.168.100.11:8890"

@@ -10,7 +10,7 @@ def test_plan_inputs_default_to_the_config_defaults(tmp_path):
     defaults = PlanInputs(tmp_path, 2)
     serving = {f.name: f.default for f in dataclasses.fields(C.ServingConfig)
                if f.default is not dataclasses.MISSING}
-    assert defaults.gpu_memory_utilization == serving["gpu_memory_utilization"] == 0.78
+    assert defaults.gpu_memory_utilization == serving["gpu_memory_utilization"] == 0.835
     assert defaults.max_model_len == serving["max_model_len"]
     assert defaults.max_num_seqs == serving["max_num_seqs"]
     assert defaults.max_num_batched_tokens == serving["max_num_batched_tokens"]
@@ -22,4 +22,4 @@ def test_a_cluster_file_without_the_setting_plans_with_the_config_default(tmp_pa
     from test_supervisor import write_cluster
 
     cluster = C.load(write_cluster(tmp_path))
-    assert plan_inputs(cluster).gpu_memory_utilization == serving_default("gpu_memory_utilization") == 0.78
+    assert plan_inputs(cluster).gpu_memory_utilization == serving_default("gpu_memory_utilization") == 0.835

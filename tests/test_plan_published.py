@@ -46,7 +46,7 @@ def test_plan_published_without_a_model_or_a_cluster_file_equals_the_header_only
         d.get("inputs", {}).pop("model_dir", None)
     assert shipped == on_disk
     text = run_dspark("plan", "--published", env=NO_CONFIG, cwd=tmp_path).stdout
-    assert "fits                      yes" in text and "KV tokens per rank        505,739" in text
+    assert "fits                      yes" in text and "KV tokens per rank        819,217" in text
     assert "note: 12 concurrent requests can hold" in text
 
 

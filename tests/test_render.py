@@ -48,11 +48,22 @@ def test_golden(node):
 
 
 def test_head_reproduces_the_seed_command_line(cluster):
-    got = flags(render(cluster, cluster.head).argv)
+    """The seed's line, but for the defaults that depart from it, each with its source in
+    config.ServingConfig (issue 19): MiaAI-Lab's utilization and long-prefill threshold, and
+    capture sizes in multiples of the 6 verify rows of a request (vLLM takes the largest, 72,
+    as the maximum)."""
+    launch = render(cluster, cluster.head)
+    got = flags(launch.argv)
     want = flags(SEED_HEAD.split())
     want["--served-model-name"] = "deepseek-v4-flash"
     want["--host"] = "0.0.0.0"
+    del want["--max-cudagraph-capture-size"]
+    want.update({"--gpu-memory-utilization": "0.835", "--long-prefill-token-threshold": "1024",
+                 "--cudagraph-capture-sizes": "6"})
     assert got == want
+    sizes = launch.argv.index("--cudagraph-capture-sizes")
+    assert launch.argv[sizes + 1:sizes + 13] == [str(6 * n) for n in range(1, 13)]
+    assert launch.env["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "0"
 
 
 def test_worker_is_headless_and_has_no_api(cluster):

@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import stat
+import textwrap
 import tomllib
 import types
 import typing
@@ -48,11 +49,13 @@ class ConfigError(Exception):
 
 
 def _f(default: Any = dataclasses.MISSING, *, help: str, example: Any = None, factory: Any = None,
-       bounds: tuple[float, float] | None = None, positive: bool = False):
+       bounds: tuple[float, float] | None = None, positive: bool = False, source: str | None = None):
     """Declare a config field: its default, help text, an example for error messages and, for a
     number, its range: `bounds` (lo, hi), both included, or `positive` for (0, hi]. Every number
-    must also be finite: the ranges are the one policy, checked in `check_ranges`."""
-    meta = {"help": help, "example": example, "bounds": bounds, "positive": positive}
+    must also be finite: the ranges are the one policy, checked in `check_ranges`. `source` says
+    where a serving default comes from (a public measurement on GB10, or vLLM's code); the
+    template prints it under the help text."""
+    meta = {"help": help, "example": example, "bounds": bounds, "positive": positive, "source": source}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -68,6 +71,7 @@ SEED_EXTRA_ARGS = [
     "--reasoning-parser", "deepseek_v4",
     "--generation-config", "vllm",
 ]
+# The seed's environment on both ranks, plus the settings below, each with its source.
 SEED_ENV = {
     "NCCL_NET": "IB",
     "NCCL_IB_ADDR_FAMILY": "AF_INET",
@@ -78,7 +82,20 @@ SEED_ENV = {
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     "TORCH_CUDA_ARCH_LIST": "12.1a",
+    # vLLM 0.28.0 (config/vllm.py, VllmConfig.__post_init__) turns breakable CUDA graphs on for
+    # DeepseekV4ForCausalLM whenever this is unset; 0 keeps regular (FULL decode) graphs. The
+    # fastest public two-GB10 recipe (MiaAI-Lab) sets 0: +28.6% single stream, +13% at c=2.
+    "VLLM_USE_BREAKABLE_CUDAGRAPH": "0",
 }
+
+# What the template leaves unset on purpose, and why (printed in it).
+NOT_SET = [
+    "vLLM's shm_broadcast reader busy-loop (SpinCondition.busy_loop_s = 1 s): measured at 333% CPU "
+    "and the SoC 11 C hotter on a TP=2 GB10 pair, 89% once cut to 2 ms with no throughput change "
+    "(MiaAI-Lab PR #71; vLLM PR #51950 proposed VLLM_MQ_SPIN_SECONDS and was closed). vLLM 0.28.0 "
+    "has no setting for it (the reader's SpinCondition is built with the 1 s default in "
+    "distributed/device_communicators/shm_broadcast.py); only a code change (the overlay) can.",
+]
 
 
 @dataclass(frozen=True)
@@ -90,47 +107,91 @@ class ModelConfig:
     trust_remote_code: bool = _f(True, help="Pass --trust-remote-code to vLLM.", example=True)
 
 
+# Where the serving defaults come from (printed in the template). "seed 001": the two-node GB10
+# port of Anemll/dspark-vllm-gx10 (vLLM 0.25.1), whose tested command line these defaults started
+# from; "MiaAI-Lab": the fastest public two-GB10 recipe (MiaAI-Lab/DeepSeek-v4-Flash-DSpark-2x-
+# DGX-Spark, 75.4 tok/s single stream, 191.2 at c=6), which runs the seed-001 image.
+_SEED = "seed 001's tested two-GB10 command line (Anemll/dspark-vllm-gx10)"
+_BOTH = _SEED + " and MiaAI-Lab's two-GB10 recipe"
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     vllm_command: list[str] = _f(help="Command that runs vLLM's CLI on every node (argv prefix before 'serve').",
-                                 example=["vllm"], factory=lambda: ["vllm"])
+                                 example=["vllm"], factory=lambda: ["vllm"],
+                                 source="vLLM's own CLI entry point (`vllm serve`)")
     tensor_parallel_size: int = _f(2, help="Tensor parallel size: nodes x GPUs per node.", example=2,
-                                   bounds=(1, 1024))
-    pipeline_parallel_size: int = _f(1, help="Pipeline parallel size.", example=1, bounds=(1, 1024))
-    gpus_per_node: int = _f(1, help="GPUs on each node (one GB10 per DGX Spark).", example=1, bounds=(1, 64))
+                                   bounds=(1, 1024),
+                                   source=_BOTH + " (TP=2; TP=1 does not load on one node: NV_ERR_NO_MEMORY)")
+    pipeline_parallel_size: int = _f(1, help="Pipeline parallel size.", example=1, bounds=(1, 1024),
+                                     source=_BOTH)
+    gpus_per_node: int = _f(1, help="GPUs on each node (one GB10 per DGX Spark).", example=1, bounds=(1, 64),
+                            source="the hardware: one GB10 per DGX Spark")
     usable_memory_gib: float = _f(121.0, help="Usable GPU (unified) memory of one GPU, GiB; the plan's budget.",
-                                  example=121.0, bounds=(0, 16384), positive=True)
+                                  example=121.0, bounds=(0, 16384), positive=True,
+                                  source="seed 001's measurement of one GB10 node (about 121 GiB usable)")
     max_model_len: int = _f(350000, help="Longest context (prompt + output) in tokens.", example=350000,
-                            bounds=(1, 1 << 24))
-    max_num_seqs: int = _f(12, help="Requests decoded at once.", example=12, bounds=(1, 65536))
+                            bounds=(1, 1 << 24),
+                            source=_SEED + " (MiaAI-Lab runs 1,048,576 with 6 sequences)")
+    max_num_seqs: int = _f(12, help="Requests decoded at once.", example=12, bounds=(1, 65536),
+                           source=_SEED + ": 103.5 tok/s aggregate at c=4 (MiaAI-Lab runs 6)")
     max_num_batched_tokens: int = _f(8192, help="Tokens per scheduler step (chunked prefill).", example=8192,
-                                     bounds=(1, 1 << 24))
+                                     bounds=(1, 1 << 24), source=_BOTH)
     gpu_memory_utilization: float | None = _f(
-        0.78, help="Share of each GPU's memory vLLM may use (0 < x <= 1).", example=0.78, bounds=(0, 1),
-        positive=True)
+        0.835, help="Share of each GPU's memory vLLM may use (0 < x <= 1).", example=0.835, bounds=(0, 1),
+        positive=True,
+        source="MiaAI-Lab's two-GB10 recipe runs 0.835 on the same nodes (seed 001 measured 0.78: 79.17 GiB "
+               "model and 10.74 GiB KV cache per rank); `dspark plan --published` at these settings: "
+               "101.03 GiB per rank, 17.39 GiB of it KV cache")
     kv_cache_memory_bytes: int | None = _f(
         None, help="KV-cache bytes per GPU; when set, vLLM uses it instead of gpu_memory_utilization.",
-        example=12 * GIB, bounds=(1, 1 << 50))
+        example=12 * GIB, bounds=(1, 1 << 50), source="vLLM's default (unset)")
     kv_cache_dtype: str | None = _f("nvfp4_ds_mla", help="KV-cache dtype (nvfp4_ds_mla needs the Spark overlay).",
-                                    example="nvfp4_ds_mla")
-    block_size: int | None = _f(256, help="KV-cache block size in tokens.", example=256, bounds=(1, 65536))
+                                    example="nvfp4_ds_mla", source=_BOTH)
+    block_size: int | None = _f(256, help="KV-cache block size in tokens.", example=256, bounds=(1, 65536),
+                                source=_SEED + "; vLLM 0.28.0's SM120 DeepSeek V4 attention takes kernel "
+                                       "blocks of 256 only (get_supported_kernel_block_sizes)")
     speculative_config: dict | None = _f(
         help="vLLM --speculative-config as a table; omit for none.",
-        example=SEED_SPECULATIVE, factory=lambda: dict(SEED_SPECULATIVE))
-    enable_prefix_caching: bool = _f(True, help="Reuse KV of shared prompt prefixes.", example=True)
-    enable_chunked_prefill: bool = _f(True, help="Split long prompts into scheduler-sized chunks.", example=True)
-    async_scheduling: bool = _f(True, help="Overlap scheduling with execution.", example=True)
+        example=SEED_SPECULATIVE, factory=lambda: dict(SEED_SPECULATIVE),
+        source=_BOTH + " (DSpark, k=5)")
+    enable_prefix_caching: bool = _f(True, help="Reuse KV of shared prompt prefixes.", example=True, source=_SEED)
+    enable_chunked_prefill: bool = _f(True, help="Split long prompts into scheduler-sized chunks.", example=True,
+                                      source=_SEED)
+    async_scheduling: bool = _f(True, help="Overlap scheduling with execution.", example=True, source=_SEED)
     moe_backend: str | None = _f("flashinfer_b12x", help="MoE experts backend (flashinfer_b12x needs the overlay).",
-                                 example="flashinfer_b12x")
+                                 example="flashinfer_b12x", source=_BOTH)
+    long_prefill_token_threshold: int | None = _f(
+        1024, help="Longest prefill chunk one request gets per scheduler step (vLLM "
+                   "--long-prefill-token-threshold; 0 = up to max_num_batched_tokens).",
+        example=1024, bounds=(0, 1 << 24),
+        source="MiaAI-Lab's two-GB10 recipe (1024). At ~2,000-2,600 prefill tok/s on two GB10 (seed 001, "
+               "MiaAI-Lab) a full 8,192-token chunk holds every decoding stream for ~3.5-4 s; vLLM 0.28.0's "
+               "scheduler caps each request's new tokens per step at this (v1/core/sched/scheduler.py)")
     max_cudagraph_capture_size: int | None = _f(
-        None, help="CUDA-graph capture size; default max_num_seqs x (speculative tokens + 1).", example=72,
-        bounds=(1, 1 << 20))
-    load_format: str | None = _f(None, help="vLLM --load-format ('dummy' gives random weights).", example="auto")
-    skip_tokenizer_init: bool = _f(False, help="Serve token-id prompts only, without a tokenizer.", example=False)
+        None, help="Largest CUDA-graph capture size; default max_num_seqs x (speculative tokens + 1).", example=72,
+        bounds=(1, 1 << 20), source="seed 001 (72 = 12 x 6)")
+    cudagraph_capture_sizes: list[int] | None = _f(
+        None, help="CUDA-graph capture sizes (vLLM --cudagraph-capture-sizes); default with speculative "
+                   "decoding: every multiple of (speculative tokens + 1) up to the largest capture size "
+                   "(6, 12, ..., 72), without: vLLM's own list.",
+        example=[6, 12, 18, 24, 30, 36], bounds=(1, 1 << 20),
+        source="vLLM 0.28.0's model runner v2 (which DSpark forces) replays a FULL decode graph for n "
+               "requests only at a capture size that is a multiple of n's rows (v1/worker/gpu/"
+               "cudagraph_utils.py): with its default sizes 1, 2, 4, 8, ..., 72, batches of 5 and 9 "
+               "requests fall to PIECEWISE (tests/test_config_sources.py)")
+    load_format: str | None = _f(None, help="vLLM --load-format ('dummy' gives random weights).", example="auto",
+                                 source="vLLM's default (auto)")
+    skip_tokenizer_init: bool = _f(False, help="Serve token-id prompts only, without a tokenizer.", example=False,
+                                   source="vLLM's default")
     extra_args: list[str] = _f(help="More vLLM arguments, appended as written.", example=["--enforce-eager"],
-                               factory=lambda: list(SEED_EXTRA_ARGS))
+                               factory=lambda: list(SEED_EXTRA_ARGS), source=_SEED)
     env: dict[str, str] = _f(help="Environment for vLLM on every node.", example={"NCCL_DEBUG": "WARN"},
-                             factory=lambda: dict(SEED_ENV))
+                             factory=lambda: dict(SEED_ENV),
+                             source=_SEED + "'s environment, plus VLLM_USE_BREAKABLE_CUDAGRAPH=0: vLLM 0.28.0 "
+                                    "turns breakable CUDA graphs on for DeepSeek V4 when it is unset "
+                                    "(config/vllm.py); MiaAI-Lab measured +28.6% single stream and +13% at "
+                                    "c=2 (75 -> 96 tok/s) with it at 0")
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -141,7 +202,22 @@ class ServingConfig:
     def cudagraph_capture_size(self) -> int:
         if self.max_cudagraph_capture_size is not None:
             return self.max_cudagraph_capture_size
+        if self.cudagraph_capture_sizes:
+            return max(self.cudagraph_capture_sizes)
         return self.max_num_seqs * (self.num_speculative_tokens + 1)
+
+    @property
+    def capture_sizes(self) -> list[int] | None:
+        """The sizes dspark passes as --cudagraph-capture-sizes, or None to leave vLLM's own list
+        (no speculative decoding): with k speculative tokens every batch of n requests verifies
+        n x (k + 1) rows, and vLLM's model runner v2 replays a FULL decode graph only at a size
+        that is a multiple of k + 1, so every multiple up to the largest size is captured."""
+        if self.cudagraph_capture_sizes is not None:
+            return sorted(set(self.cudagraph_capture_sizes))
+        step = self.num_speculative_tokens + 1
+        if step == 1:
+            return None
+        return list(range(step, self.cudagraph_capture_size + 1, step)) or [self.cudagraph_capture_size]
 
 
 @dataclass(frozen=True)
@@ -255,7 +331,7 @@ def _type_name(tp: Any) -> str:
     if origin in (types.UnionType, typing.Union):
         return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
     if origin is list:
-        return "a list of strings"
+        return "a list of whole numbers" if typing.get_args(tp) == (int,) else "a list of strings"
     if origin is dict or tp is dict:
         return "a table"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
@@ -299,7 +375,8 @@ def _check_type(value: Any, tp: Any) -> bool:
     if tp is type(None):
         return value is None
     if origin is list:
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+        item = int if typing.get_args(tp) == (int,) else str
+        return isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in value)
     if origin is dict:
         return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
     if tp is dict:
@@ -428,6 +505,19 @@ def check(c: Cluster) -> list[str]:
         p.append("serving: set gpu_memory_utilization or kv_cache_memory_bytes")
     if s.block_size is not None and s.block_size >= 1 and s.block_size & (s.block_size - 1):
         p.append(f"serving.block_size: must be a power of two, got {s.block_size}")
+    if (s.long_prefill_token_threshold or 0) > s.max_model_len:
+        # vLLM's SchedulerConfig refuses it at start-up.
+        p.append(f"serving.long_prefill_token_threshold: {s.long_prefill_token_threshold} is above "
+                 f"max_model_len ({s.max_model_len}), which vLLM refuses; lower it (e.g. 1024)")
+    if s.cudagraph_capture_sizes is not None:
+        if not s.cudagraph_capture_sizes:
+            p.append("serving.cudagraph_capture_sizes: must list at least one size, e.g. "
+                     "cudagraph_capture_sizes = [6, 12, 18, 24, 30, 36]")
+        elif s.max_cudagraph_capture_size is not None \
+                and s.max_cudagraph_capture_size != max(s.cudagraph_capture_sizes):
+            # vLLM raises when both are given and disagree.
+            p.append(f"serving.max_cudagraph_capture_size: {s.max_cudagraph_capture_size} differs from the "
+                     f"largest of cudagraph_capture_sizes ({max(s.cudagraph_capture_sizes)}); set one of them")
     if s.speculative_config is not None:
         n = s.speculative_config.get("num_speculative_tokens", 0)
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64:
@@ -526,6 +616,10 @@ def check_ranges(c: Cluster) -> list[str]:
             value, bounds = getattr(obj, f.name), f.metadata.get("bounds")
             if bounds is None or value is None or isinstance(value, bool):
                 continue
+            if isinstance(value, list):  # a list of numbers: every item within the range
+                value = next((v for v in value if not bounds[0] <= v <= bounds[1]), None)
+                if value is None:
+                    continue
             lo, hi = bounds
             positive = f.metadata.get("positive")
             ok = math.isfinite(value) and (lo < value if positive else lo <= value) and value <= hi
@@ -649,10 +743,13 @@ def dumps(data: dict, comments: bool = False) -> str:
     classes = dict(_SECTIONS, nodes=NodeConfig)
 
     def table(cls: type, values: dict) -> None:
-        helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+        meta = {f.name: f.metadata for f in dataclasses.fields(cls)}
         for key, value in values.items():
-            if comments and helps.get(key):
-                lines.append(f"# {helps[key]}")
+            if comments and meta.get(key, {}).get("help"):
+                lines.append(f"# {meta[key]['help']}")
+            if comments and meta.get(key, {}).get("source"):
+                lines.extend(textwrap.wrap(f"Source: {meta[key]['source']}", 96, initial_indent="# ",
+                                           subsequent_indent="#   "))
             lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
 
     for name in ("model", "serving", "supervisor"):
@@ -687,7 +784,11 @@ def template() -> str:
         "# dspark cluster file: one description of the deployment, the same file on every node.\n"
         "# Each process finds its own [[nodes]] entry by name (default: the host name).\n"
         "# Replace every CHANGEME; use the dedicated fabric addresses, not Wi-Fi or the LAN.\n"
-        "# Defaults are the tested settings for DeepSeek V4 Flash on two GB10 nodes (TP=2).\n"
-        "# Check it with: dspark config check\n\n"
+        "# Defaults are the tested settings for DeepSeek V4 Flash on two GB10 nodes (TP=2); each serving\n"
+        "# setting says where it comes from (a public measurement on GB10, or vLLM's code).\n"
+        "# Left unset on purpose:\n"
+        + "".join("\n".join(textwrap.wrap(note, 96, initial_indent="# - ", subsequent_indent="#   ")) + "\n"
+                  for note in NOT_SET)
+        + "# Check it with: dspark config check\n\n"
     )
     return header + dumps(data, comments=True)

@@ -34,7 +34,8 @@ class Launch:
             lines = ["env"] + [shlex.quote(f"{k}={v}") for k, v in env]
         words: list[str] = []
         for arg in self.redacted_argv():
-            if words and words[-1].startswith("--") and " " not in words[-1] and not arg.startswith("--"):
+            # a flag and all its values on one line (--cudagraph-capture-sizes takes several)
+            if words and words[-1].startswith("--") and not arg.startswith("--"):
                 words[-1] += " " + shlex.quote(arg)
             else:
                 words.append(shlex.quote(arg))
@@ -75,7 +76,10 @@ def vllm_argv(cluster: Cluster, node: NodeConfig) -> list[str]:
         ("--max-model-len", s.max_model_len),
         ("--max-num-seqs", s.max_num_seqs),
         ("--max-num-batched-tokens", s.max_num_batched_tokens),
-        ("--max-cudagraph-capture-size", s.cudagraph_capture_size),
+        ("--long-prefill-token-threshold", s.long_prefill_token_threshold),
+        # With speculative decoding the sizes themselves (every multiple of the verify rows per
+        # request, config.ServingConfig.capture_sizes); vLLM takes the largest as the maximum.
+        ("--max-cudagraph-capture-size", s.cudagraph_capture_size if s.capture_sizes is None else None),
         # vLLM takes kv_cache_memory_bytes instead of the utilization when both are given;
         # pass only the one that applies so the command line says what happens.
         ("--kv-cache-memory-bytes", s.kv_cache_memory_bytes),
@@ -86,6 +90,8 @@ def vllm_argv(cluster: Cluster, node: NodeConfig) -> list[str]:
     for flag, value in optional:
         if value is not None:
             argv += [flag, str(value)]
+    if s.capture_sizes is not None:
+        argv += ["--cudagraph-capture-sizes", *map(str, s.capture_sizes)]
     for flag, on in (
         ("--enable-prefix-caching", s.enable_prefix_caching),
         ("--async-scheduling", s.async_scheduling),
