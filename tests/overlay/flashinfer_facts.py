@@ -7,13 +7,15 @@ the Python dispatch table is read with ``ast`` and the C++ prefill dispatcher
 with patterns that must each match (a FlashInfer that moved them fails loudly
 here instead of silently passing).
 
-Facts (flashinfer-python 0.6.16.post3, ``mla/_sparse_mla_sm120.py``,
-``data/csrc/sparse_mla_sm120{,_prefill,_decode_dsv4}.cu``): a call of at most
+Facts (flashinfer-python 0.6.18, the locked release, as 0.6.16.post3 before it;
+``mla/_sparse_mla_sm120.py``, ``data/csrc/sparse_mla_sm120{,_prefill,_decode_dsv4}.cu``;
+0.6.18 adds main top-k 192 and 256 to decode and single-cache prefill and 8-head
+prefill): a call of at most
 ``_DECODE_MAX_TOKENS`` query rows goes to the standalone DSv4 decode kernel,
 which needs ``(heads, main top-k)`` in ``_DECODE_DSV4_DISPATCH`` and 64-token
 main pages; the compressed ("extra") segment's width and page size are runtime
 values there. Longer calls go to the prefill orchestrator: one cache takes main
-top-k 128/512/1024/2048; two caches need main top-k 128 and extra pages of 64
+top-k 128/(192/256)/512/1024/2048; two caches need main top-k 128 and extra pages of 64
 or 2 tokens, the extra width again being a runtime value. The orchestrator
 refuses <= 64 rows (they must go through the decode kernel).
 """
