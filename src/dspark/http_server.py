@@ -17,6 +17,7 @@ answer a few small GETs a second, which threads serve well once bounded.)
 from __future__ import annotations
 
 import socket
+import socketserver
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -38,6 +39,14 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        """http.server's bind, without its socket.getfqdn(host): a reverse DNS lookup of the
+        listening address that nothing here reads, and that on a node without a reachable
+        resolver leaves the host (or waits for the resolver's timeout) before the server starts."""
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = host, port
 
     def process_request(self, request, client_address) -> None:
         if not self._slots.acquire(blocking=False):
