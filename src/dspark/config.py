@@ -737,25 +737,28 @@ def _drop_none(value: Any) -> Any:
     return value
 
 
-def dumps(data: dict, comments: bool = False) -> str:
-    """Write a cluster dict as TOML; with comments, each field carries its help text."""
+def dumps(data: dict, comments: bool = False, derived: dict[str, dict[str, Any]] | None = None) -> str:
+    """Write a cluster dict as TOML; with comments, each field carries its help text and source.
+    `derived` (section -> field -> value) adds unset fields as commented-out lines showing the
+    value they follow from the others."""
     lines: list[str] = []
     classes = dict(_SECTIONS, nodes=NodeConfig)
 
-    def table(cls: type, values: dict) -> None:
+    def table(cls: type, values: dict, unset: dict[str, Any] | None = None) -> None:
         meta = {f.name: f.metadata for f in dataclasses.fields(cls)}
-        for key, value in values.items():
+        for key, value in [*values.items(), *(unset or {}).items()]:
             if comments and meta.get(key, {}).get("help"):
                 lines.append(f"# {meta[key]['help']}")
             if comments and meta.get(key, {}).get("source"):
                 lines.extend(textwrap.wrap(f"Source: {meta[key]['source']}", 96, initial_indent="# ",
-                                           subsequent_indent="#   "))
-            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+                                           subsequent_indent="#   ", break_on_hyphens=False))
+            line = f"{_toml_key(key)} = {_toml_value(value)}"
+            lines.append(line if key in values else f"# {line}  (unset: follows the settings above)")
 
     for name in ("model", "serving", "supervisor"):
         if name in data:
             lines.append(f"[{name}]")
-            table(classes[name], data[name])
+            table(classes[name], data[name], (derived or {}).get(name) if comments else None)
             lines.append("")
     for node in data.get("nodes", []):
         lines.append("[[nodes]]")
@@ -787,8 +790,11 @@ def template() -> str:
         "# Defaults are the tested settings for DeepSeek V4 Flash on two GB10 nodes (TP=2); each serving\n"
         "# setting says where it comes from (a public measurement on GB10, or vLLM's code).\n"
         "# Left unset on purpose:\n"
-        + "".join("\n".join(textwrap.wrap(note, 96, initial_indent="# - ", subsequent_indent="#   ")) + "\n"
+        + "".join("\n".join(textwrap.wrap(note, 96, initial_indent="# - ", subsequent_indent="#   ",
+                                                break_on_hyphens=False)) + "\n"
                   for note in NOT_SET)
         + "# Check it with: dspark config check\n\n"
     )
-    return header + dumps(data, comments=True)
+    serving = ServingConfig()
+    derived = {"serving": {"cudagraph_capture_sizes": serving.capture_sizes}} if serving.capture_sizes else {}
+    return header + dumps(data, comments=True, derived=derived)
