@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .safe_read import MAX_SECRET_BYTES, read_text
+
 API_KEY_ENV = ("DSPARK_API_KEY", "VLLM_API_KEY")
 API_KEY_CREDENTIAL = "api-key"  # systemd LoadCredential= name
 # The key file the head is configured with (set by the NixOS module with apiKeyFile).
@@ -30,7 +32,7 @@ def _credential(env) -> str | None:
         return None
     path = Path(cred_dir) / API_KEY_CREDENTIAL
     try:
-        return path.read_text().strip() if path.is_file() else None
+        return read_text(path, MAX_SECRET_BYTES).strip() if path.is_file() else None
     except OSError:
         return None
 
@@ -65,7 +67,7 @@ def api_key_refusal(env: dict[str, str] | None = None) -> str | None:
             return None
     else:  # started outside systemd: read the file itself
         try:
-            key = Path(path).read_text().strip()
+            key = read_text(path, MAX_SECRET_BYTES).strip()
         except FileNotFoundError:
             why = "does not exist"
         except OSError as e:

@@ -19,52 +19,25 @@ These limits are dspark's HTTP policy, written only here.
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from .safe_read import MAX_JSON_DEPTH, JSONRefused, parse_json as _parse_json
+
+__all__ = ["HTTPFailure", "JSONRefused", "MAX_BODY_BYTES", "MAX_STATE_BYTES", "Response", "Stream", "get_json",
+           "get_object", "parse_json", "request", "stream"]
+
 MAX_BODY_BYTES = 16 * 1024 * 1024   # any one answer (vLLM's /metrics is a few hundred KiB)
 MAX_LINE_BYTES = 1024 * 1024        # one line of a server-sent event stream
 MAX_REDIRECTS = 5
-MAX_JSON_DEPTH = 64                 # an agent's /state nests 4 levels, vLLM's answers fewer than 10
 MAX_STATE_BYTES = 1024 * 1024       # an agent's /state is a few KiB
 
 
-class JSONRefused(ValueError):
-    """A JSON text refused by `parse_json`: not JSON, too large or nested too deeply."""
-
-
-def _depth_over(value, limit: int) -> bool:
-    """True when `value` nests more than `limit` levels (iterative: no recursion to exhaust)."""
-    todo = [(value, 1)]
-    while todo:
-        v, d = todo.pop()
-        if isinstance(v, dict):
-            v = v.values()
-        elif not isinstance(v, list):
-            continue
-        if d > limit:
-            return True
-        todo.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
-    return False
-
-
 def parse_json(text: bytes | str, *, max_bytes: int = MAX_BODY_BYTES, max_depth: int = MAX_JSON_DEPTH):
-    """The JSON value of a peer's answer, at most `max_bytes` long and `max_depth` levels deep;
-    anything else raises JSONRefused (a ValueError), whatever the text holds."""
-    if len(text) > max_bytes:
-        raise JSONRefused(f"JSON larger than {max_bytes:,} bytes")
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise JSONRefused(f"JSON nested more than {max_depth} levels deep") from None
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise JSONRefused(f"not JSON ({e})") from None
-    if _depth_over(value, max_depth):
-        raise JSONRefused(f"JSON nested more than {max_depth} levels deep")
-    return value
+    """A peer's JSON answer within dspark.safe_read's bounds (JSONRefused, a ValueError, if not)."""
+    return _parse_json(text, max_bytes=max_bytes, max_depth=max_depth)
 
 
 class HTTPFailure(Exception):

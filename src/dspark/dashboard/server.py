@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..http_server import BoundedHTTPServer, discard_body
+from ..safe_read import MAX_SECRET_BYTES, read_text
 from .collector import Collector
 
 DEFAULT_HOST = "127.0.0.1"
@@ -65,7 +66,7 @@ def load_token(path: Path) -> str:
     """The access token from `path`, which only its owner may read or write (mode 600 or 400)."""
     try:
         st = path.stat()
-        text = path.read_text()
+        text = read_text(path, MAX_SECRET_BYTES)
     except OSError as e:
         raise DashboardError(f"cannot read the token file {path}: {e.strerror}") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):

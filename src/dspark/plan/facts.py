@@ -5,12 +5,14 @@ reserve."""
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..safe_read import MAX_MODEL_CONFIG_BYTES, JSONRefused, open_regular, parse_json, read_at_most, read_json
 
 GiB = 1 << 30
 
@@ -36,6 +38,7 @@ SEED_MAX_NUM_SEQS = serving_default("max_num_seqs")
 SEED_MAX_NUM_BATCHED_TOKENS = serving_default("max_num_batched_tokens")
 SEED_GPU_MEMORY_UTILIZATION = serving_default("gpu_memory_utilization")
 SEED_ASYNC_SCHEDULING = serving_default("async_scheduling")
+SEED_LONG_PREFILL_TOKEN_THRESHOLD = serving_default("long_prefill_token_threshold")
 
 # The safetensors format caps the header at 100 MB (safetensors' own
 # MAX_HEADER_SIZE); anything larger is a corrupt or foreign file.
@@ -129,13 +132,13 @@ class ModelFacts:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+    try:  # a regular file of at most MAX_MODEL_CONFIG_BYTES: a FIFO or /dev/zero is refused at once
+        data = read_json(path, MAX_MODEL_CONFIG_BYTES)
     except FileNotFoundError:
         raise PlanError(f"{path}: missing (a model directory needs config.json)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PlanError(f"{path}: cannot read: {exc}") from None
-    except json.JSONDecodeError as exc:
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except JSONRefused as exc:
         raise PlanError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise PlanError(f"{path}: expected a JSON object")
@@ -144,21 +147,21 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def read_safetensors_header(path: Path) -> tuple[list[TensorInfo], int]:
     """Parse one shard's header; returns its tensors and its size on disk."""
-    try:
-        with path.open("rb") as f:
-            head = f.read(8)
+    try:  # a regular file (safe_read): a FIFO or a device named *.safetensors is refused at once
+        with open_regular(path) as f:
+            head = read_at_most(f, 8)
             if len(head) < 8:
                 raise PlanError(f"{path}: too short for a safetensors header")
             (n,) = struct.unpack("<Q", head)
-            size = path.stat().st_size
+            size = os.fstat(f.fileno()).st_size
             if n > _MAX_HEADER_BYTES or 8 + n > size:
                 raise PlanError(f"{path}: corrupt safetensors header length {n}")
-            raw = f.read(n)
+            raw = read_at_most(f, n)
     except OSError as exc:
-        raise PlanError(f"{path}: cannot read: {exc}") from None
+        raise PlanError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = parse_json(raw, max_bytes=_MAX_HEADER_BYTES)
+    except JSONRefused as exc:
         raise PlanError(f"{path}: corrupt safetensors header: {exc}") from None
     if not isinstance(header, dict):
         raise PlanError(f"{path}: corrupt safetensors header: not a JSON object")

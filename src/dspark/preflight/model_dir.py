@@ -3,13 +3,13 @@ service user, whole), and its size against what the memory plan reads."""
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..safe_read import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_INDEX_BYTES, read_json
 from .result import Check, fail, ok, warn
 
 GiB = 1 << 30
@@ -98,21 +98,23 @@ def check_model_dir(model_path: str, load_format: str | None, user: ServiceUser)
         return [fail("model.dir", f"{where}: not a directory", "download the model to the same path on every node, "
                      "or correct model.path")], None
     cfg = d / "config.json"
-    try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
+    try:  # safe_read's guards: a FIFO, a device or an oversized file is refused at once
+        data = read_json(cfg, MAX_MODEL_CONFIG_BYTES)
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
     except FileNotFoundError:
         return [fail("model.dir", f"{where}: no config.json", "an incomplete download: fetch the model again")], None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        return [fail("model.dir", f"{cfg}: unreadable or not a JSON object ({e})", "fetch config.json again")], None
+    except OSError as e:
+        return [fail("model.dir", f"{cfg}: unreadable ({e.strerror or e})", "fetch config.json again")], None
+    except ValueError as e:
+        return [fail("model.dir", f"{cfg}: not a JSON object ({e})", "fetch config.json again")], None
     out: list[Check] = []
     index_path = d / INDEX
     present = sorted(p.name for p in d.glob("*.safetensors"))
     expected_total = None
     if index_path.exists():
         try:
-            index = json.loads(index_path.read_text(encoding="utf-8"))
+            index = read_json(index_path, MAX_MODEL_INDEX_BYTES)
             weight_map = index["weight_map"]
             named = sorted(set(weight_map.values()))
             expected_total = (index.get("metadata") or {}).get("total_size")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ..config import Cluster, NodeConfig
+from ..safe_read import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_INDEX_BYTES, read_bytes
 from .result import Check, fail, ok, warn
 
 CLOCK_TOLERANCE_S = 1.0
@@ -107,7 +108,8 @@ def model_fingerprint(model_path: str) -> str | None:
     try:
         for name in ("config.json", "model.safetensors.index.json"):
             if (d / name).exists():
-                h.update(name.encode() + b"\0" + (d / name).read_bytes())
+                limit = MAX_MODEL_CONFIG_BYTES if name == "config.json" else MAX_MODEL_INDEX_BYTES
+                h.update(name.encode() + b"\0" + read_bytes(d / name, limit))
         for p in sorted(d.glob("*.safetensors")):
             h.update(f"{p.name}\0{p.stat().st_size}\n".encode())
     except OSError:
