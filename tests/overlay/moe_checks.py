@@ -407,6 +407,11 @@ def check_small_m_override(site: Path) -> None:
         s.CALLS.clear()
         run_apply(method, layer)
         assert _tiles(s) == stock, (_tiles(s), stock)
+        # The public GB10 recipes' line: blocks 0, max M 16, tile empty: all off.
+        method, layer = build_method({m.B12X_FORCE_BLOCKS_PER_SM: "0",
+                                      m.B12X_FORCE_BLOCKS_MAX_M: "16",
+                                      m.B12X_FORCE_TILE_CONFIG: ""})
+        assert not method.moe_kernel.fused_experts.small_m.active
         try:
             build_method({m.B12X_FORCE_BLOCKS_PER_SM: "2"})
         except ValueError as e:
