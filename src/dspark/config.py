@@ -669,28 +669,19 @@ def _not_json(value: Any, where: str, depth: int) -> str | None:
 def _read_text(path: Path) -> str:
     """The file's text: a regular file (not a FIFO or a device: opened without blocking and
     refused), at most MAX_FILE_BYTES, UTF-8."""
+    from .safe_read import FileTooLarge, NotRegularFile, read_bytes  # the one guarded reader
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        data = read_bytes(path, MAX_FILE_BYTES)
     except FileNotFoundError:
         raise ConfigError([f"file not found; create one with: dspark config init {path}"], str(path)) from None
+    except NotRegularFile:
+        raise ConfigError(["not a regular file (a directory, FIFO or device); point --config at the "
+                           "cluster file itself"], str(path)) from None
+    except FileTooLarge:
+        raise ConfigError([f"larger than {MAX_FILE_BYTES // 1024} KiB; a cluster file is a few KiB"], str(path)) from None
     except OSError as e:
         raise ConfigError([f"cannot read: {e.strerror}"], str(path)) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(["not a regular file (a directory, FIFO or device); point --config at the "
-                               "cluster file itself"], str(path))
-        data = b""
-        while len(data) <= MAX_FILE_BYTES:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            data += chunk
-    except OSError as e:
-        raise ConfigError([f"cannot read: {e.strerror}"], str(path)) from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_FILE_BYTES:
-        raise ConfigError([f"larger than {MAX_FILE_BYTES // 1024} KiB; a cluster file is a few KiB"], str(path))
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
