@@ -61,6 +61,7 @@ def _config(model_dir: str, cache_dtype: str, max_model_len: int):
         CacheConfig,
         ModelConfig,
         SchedulerConfig,
+        SpeculativeConfig,
         VllmConfig,
     )
 
@@ -75,14 +76,11 @@ def _config(model_dir: str, cache_dtype: str, max_model_len: int):
     # nodes --block-size 256 stands (the DSv4 backends take only 256).
     vc.cache_config.block_size = BLOCK_SIZE
     vc.scheduler_config.max_num_batched_tokens = MAX_BATCHED
-    # DSpark k=5 as the template runs it; only the fields the DSv4 SWA builder
-    # and the SM120 attention class read (the draft shares the target config).
-    vc.speculative_config = SimpleNamespace(
-        num_speculative_tokens=NUM_SPEC, parallel_drafting=False,
-        use_dspark=lambda: True, use_multi_module_mtp=lambda: False,
-        use_eagle=lambda: False, uses_draft_model=lambda: False,
-        draft_model_config=model,
-    )
+    # DSpark k=5 as the template runs it: the SpeculativeConfig vLLM builds for
+    # --speculative-config (the draft ships inside the target checkpoint).
+    vc.speculative_config = SpeculativeConfig(
+        method="dspark", num_speculative_tokens=NUM_SPEC, target_model_config=model,
+        target_parallel_config=vc.parallel_config, draft_sample_method="probabilistic")
     return vc
 
 
@@ -103,13 +101,11 @@ class Layers:
         self.vc = vc
         self.attn: dict[str, A] = {}
         ctx = vc.compilation_config.static_forward_context
-        n = len(hf.compress_ratios)  # target layers, MTP and DSpark draft layers
+        n = len(hf.compress_ratios)  # the target's layers, then DSpark's draft layers
         self.topk_indices_buffer = torch.full(
             (MAX_BATCHED, hf.index_topk), -1, dtype=torch.int32)
         with set_current_vllm_config(vc):
             for i in range(n):
-                if i == hf.num_hidden_layers:
-                    continue  # the MTP layer is not served with DSpark
                 prefix = f"model.layers.{i}.attn"
                 layer = object.__new__(A)
                 torch.nn.Module.__init__(layer)
@@ -319,8 +315,9 @@ def _swa_metadata(layers: Layers, layer, *, decodes: int, q_len: int,
     for n in prefill_lens:
         qsl.append(qsl[-1] + n)
     # The builder's bound on decode rows per request: the batch's longest
-    # query, clamped to its decode threshold (1 + k).
-    max_decode_q = min(max([q_len] * bool(decodes) + list(prefill_lens)), 1 + NUM_SPEC)
+    # query, clamped to its decode threshold.
+    max_decode_q = min(max([q_len] * bool(decodes) + list(prefill_lens)),
+                       builder.decode_threshold)
     return SimpleNamespace(
         num_decodes=decodes, num_prefills=len(prefill_lens),
         num_decode_tokens=n_dec, num_prefill_tokens=n_pre,
@@ -408,7 +405,7 @@ def run_widths(layers: Layers, fi) -> tuple[list[str], list[dict]]:
     # layers): layers of a kind share their builders' index buffers.
     kinds = {}
     for layer in layers.attn.values():
-        kinds.setdefault((layer.compress_ratio, layer.layer_id > hf.num_hidden_layers), layer)
+        kinds.setdefault((layer.compress_ratio, layer.layer_id >= hf.num_hidden_layers), layer)
     for name, decodes, q_len, prefill_lens, causal in SCENARIOS:
         for (_, draft), layer in sorted(kinds.items()):
             if draft == causal:
@@ -489,6 +486,14 @@ def main() -> None:
             except Exception:
                 results[f"{key}: layout"] = traceback.format_exc()
                 continue
+            hf = layers.vc.model_config.hf_config
+            results[f"{key}: layers"] = json.dumps({
+                "attention": len(layers.attn),
+                "swa caches": sum(1 for spec in layers.specs if spec.endswith(".swa_cache")),
+                "draft": sum(1 for a in layers.attn.values()
+                             if a.layer_id >= hf.num_hidden_layers),
+                "use_eagle": layers.vc.speculative_config.use_eagle(),
+            })
             for check in (check_pages_and_strides, check_group_pages_disjoint):
                 try:
                     problems = (check(layers, fi) if check is check_pages_and_strides

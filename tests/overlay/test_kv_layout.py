@@ -38,7 +38,8 @@ def layout_results(patched_site, flashinfer) -> dict[str, str]:
 def test_flashinfer_facts_are_read_from_the_locked_sources(flashinfer):
     # The dispatch the checks hold the overlay to, as the locked FlashInfer states it.
     assert flashinfer.version == flashinfer_facts.locked_version()
-    assert flashinfer.decode_widths(32) == (128, 512, 1024)
+    # 0.6.18 (flashinfer #4380's widths 192 and 256 beside 128/512/1024).
+    assert flashinfer.decode_widths(32) == (128, 192, 256, 512, 1024)
     assert flashinfer.decode_max_tokens == 64 and flashinfer.decode_page_tokens == 64
     assert flashinfer.prefill_dual_topks == (128,)
     assert flashinfer.bytes_per_token == 584 and flashinfer.io_stride == 576
@@ -57,6 +58,13 @@ def test_dsv4_layout_through_vllm(layout_results, dtype, max_len, aspect):
     key = f"{dtype} max_model_len={max_len}"
     assert f"{key}: layout" not in layout_results, layout_results[f"{key}: layout"]
     assert layout_results[f"{key}: {aspect}"] == "ok", layout_results[f"{key}: {aspect}"]
+
+
+def test_every_layer_of_the_model_is_built(layout_results):
+    # 43 target layers and DSpark's 3 draft layers, each with its SWA cache,
+    # under the SpeculativeConfig vLLM builds for DSpark (use_eagle() is True).
+    layers = json.loads(layout_results["nvfp4_ds_mla max_model_len=350000: layers"])
+    assert layers == {"attention": 46, "swa caches": 46, "draft": 3, "use_eagle": True}, layers
 
 
 def test_c128a_widths_reach_flashinfer_unpadded(layout_results):
@@ -97,13 +105,21 @@ def test_the_snap_is_per_request_query_length(layout_results):
     assert rows["prefill 7 + 100 tokens (two requests, one chunk)"] == [108]
 
 
-def test_stock_vllm_fails_the_dspark_draft_width(stock_site, flashinfer):
-    # Stock 0.28.0 hands the DSpark draft's 192-wide SWA indices to a FlashInfer
-    # that has no 192 kernel: the checks must see that.
+def test_the_dspark_draft_width_needs_no_padding_on_the_locked_flashinfer(layout_results):
+    # FlashInfer 0.6.18 has a 192-wide SM120 decode kernel: 0003 reads the table
+    # at run time and passes DSpark's non-causal 192-wide indices as they are.
+    seen = json.loads(layout_results["nvfp4_ds_mla max_model_len=350000: widths seen"])
+    assert [True, 192, None] in seen, seen
+    assert not any(w[1] == 512 for w in seen), seen
+
+
+def test_stock_vllm_launches_the_row_counts_the_line_saw_fault(stock_site, flashinfer):
+    # Stock 0.28.0 launches a 2-token prefill and DSpark's 5-row draft block as
+    # they come (the v0.28.0 line's illegal memory accesses on GB10); with
+    # FlashInfer 0.6.18 its DSpark width (192) is no longer refused.
     results = run_layout_checks(stock_site, ("fp8_ds_mla",))
-    widths = results["fp8_ds_mla max_model_len=350000: index widths"]
-    assert "topk=192" in widths, widths
-    assert "top_k=192" in results["fp8_ds_mla max_model_len=350000: start-up check"]
-    # and it launches 2-row prefills as they come.
+    assert results["fp8_ds_mla max_model_len=350000: index widths"] == "ok"
     rows = json.loads(results["fp8_ds_mla max_model_len=350000: rows seen"])
     assert rows["prefill 2 tokens"] == [2], rows
+    assert rows["decode 1 seq, DSpark draft (5 rows)"] == [5], rows
+    assert rows["decode 2 seqs, DSpark draft (10 rows)"] == [10], rows
