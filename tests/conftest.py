@@ -8,16 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from pairlib import ARTIFACTS, kill_leftovers, start_pair
+from pairlib import ARTIFACTS, kill_leftovers, start_pair, vllm_groups
 
 
 def _pair_fixture(workdir: Path, nodes: int = 2):
-    pair = start_pair(workdir, nodes=nodes)
+    pair = start_pair(workdir, nodes=nodes)  # cleans up itself when the pair does not come up
+    groups: set[int] = set()
     try:
+        groups = vllm_groups(pair)  # vLLM's engine and workers rename themselves: found by group
         yield pair
     finally:
         pair.stop()
-        kill_leftovers(workdir)
+        kill_leftovers(workdir, groups | pair.groups)
 
 
 @pytest.fixture(scope="session")

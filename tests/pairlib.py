@@ -11,9 +11,9 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
     from dspark.local import LocalPorts
@@ -30,15 +30,48 @@ def run_dspark(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedPro
     return subprocess.run(dspark_cmd(*args), capture_output=True, text=True, timeout=timeout, **kw)
 
 
-def kill_leftovers(workdir: Path) -> None:
+def process_group(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read(4096).rsplit(b")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kill_leftovers(workdir: Path, groups: Iterable[int] = ()) -> None:
     """Leave nothing behind: SIGKILL every process (supervisor, vLLM) whose command line names
-    `workdir`, a directory of the test's own."""
+    `workdir`, a directory of the test's own, and every process of their process groups and of
+    `groups` (groups the test's own processes lead). vLLM's engine and TP workers rename
+    themselves (`VLLM::Worker_TP1`): their command line no longer names `workdir`, their
+    process group is still their vLLM's, so a group is the way to find them."""
+    from dspark.vllm_process import end_group
+
     leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    pgids = set(groups)
     for pid in leftover:
+        g = process_group(int(pid)) if pid.isdigit() else None
+        if g is not None and g != os.getpgrp():
+            pgids.add(g)
         try:
             os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
+    for g in sorted(pgids):
+        if g > 1 and g != os.getpgrp():
+            end_group(g, gone_s=10)
+
+
+def vllm_groups(pair: "PairHandle") -> set[int]:
+    """The process groups of the pair's vLLM runs now (each vLLM leads its own)."""
+    out = set()
+    for name in pair.names:
+        try:
+            pid = pair.state(name).get("vllm_pid")
+        except (OSError, ValueError):
+            continue
+        if isinstance(pid, int) and pid > 1:
+            out.add(pid)
+    return out
 
 
 def get_json(url: str, timeout: float = 2.0):
@@ -86,6 +119,7 @@ class PairHandle:
     ports: "LocalPorts"
     output: Path
     nodes: int = 2
+    groups: set = field(default_factory=set)  # vLLM process groups a test saw: swept at teardown
 
     @property
     def names(self) -> list[str]:
@@ -136,11 +170,15 @@ def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2) -> PairHandl
     out.close()
     pair = PairHandle(proc, workdir, ports, output, nodes)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"dspark local up exited with {proc.returncode}:\n{pair.log()}")
-        if "Ctrl-C stops " in pair.log():
-            return pair
-        time.sleep(0.5)
-    pair.stop()
-    raise RuntimeError(f"local {nodes}-node appliance not serving after {timeout} s:\n{pair.log()}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"dspark local up exited with {proc.returncode}:\n{pair.log()}")
+            if "Ctrl-C stops " in pair.log():
+                return pair
+            time.sleep(0.5)
+        raise RuntimeError(f"local {nodes}-node appliance not serving after {timeout} s:\n{pair.log()}")
+    except BaseException:  # a pair that did not come up leaves nothing behind either
+        pair.stop()
+        kill_leftovers(workdir)
+        raise

@@ -21,6 +21,7 @@ from typing import Callable
 
 from . import states as A
 from . import config as C
+from .vllm_process import end_group
 from .agent_client import agent_state
 from . import local_model
 from .local_model import TINY_MODEL
@@ -197,15 +198,9 @@ class Pair:
             except subprocess.TimeoutExpired:
                 pass
         for p in self.procs.values():
-            # A supervisor sweeps vLLM's process group itself; this is the last resort.
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+            # A supervisor sweeps vLLM's process group itself (its reaper does, should the
+            # supervisor be killed); this sweeps the supervisor's own group, the last resort.
+            end_group(p.pid, [p])
 
 
 Progress = Callable[[str], None]

@@ -189,6 +189,7 @@ class Supervisor:
         finally:
             if self.vllm.running():
                 self._stop_vllm("supervisor exiting")
+            self.vllm.stop(0.0)  # a vLLM that exited on its own: its group is swept all the same
             if code == EXIT_OK:
                 # Stopped on purpose: the next start is a fresh node, whose restarts count from 0.
                 _clear_starts(self.state_dir)

@@ -1,9 +1,16 @@
 """The vLLM child process: start it, copy its log (noting the stage each line announces), stop it.
 
-vLLM runs in its own process group, without the notify protocol's variables, with a
-parent-death signal: if the supervisor itself dies without stopping it (SIGKILL outside
-systemd, where no KillMode= sweeps the cgroup), the kernel sends vLLM SIGTERM, the signal a
-clean stop starts with, and vLLM stops its engine and workers its own way."""
+vLLM runs in its own process group (its engine core and TP workers inherit it), without the
+notify protocol's variables. Every end of a run, whatever ends it, sweeps that whole group
+with `end_group`, the one routine for it: a stop (SIGTERM, grace, SIGKILL), vLLM exiting on
+its own (seen by `poll`; its engine and workers would live on with parent 1, holding the
+ports), the next start, the supervisor's exit.
+
+A supervisor killed with SIGKILL (outside systemd, where no KillMode= sweeps the cgroup)
+cannot sweep. For that, a small reaper process joins vLLM's group and blocks on a pipe only
+the supervisor holds: when the supervisor dies the pipe closes and the reaper SIGKILLs the
+group (itself included), so vLLM, its engine and its workers go at once and clients get
+errors, not hangs. vLLM's API process also gets SIGKILL as its parent-death signal."""
 
 from __future__ import annotations
 
@@ -22,7 +29,22 @@ from .notify import child_env
 from .render import Launch
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-PARENT_DEATH_SIGNAL = signal.SIGTERM
+PARENT_DEATH_SIGNAL = signal.SIGKILL  # a SIGTERM starts vLLM's graceful shutdown, which waits on clients
+GROUP_GONE_S = 15.0  # how long end_group waits for the group's last process to be gone
+
+# Run as `python -c REAPER` in vLLM's process group; stdin is the pipe only the supervisor holds.
+# A stop's SIGTERM is for vLLM: ignored here; the sweep's SIGKILL ends the reaper with the rest.
+REAPER = """
+import os, signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+try:
+    while os.read(0, 64):
+        pass
+except OSError:
+    pass
+os.killpg(0, signal.SIGKILL)
+"""
 
 _VERSION_RE = re.compile(r"\(v(\d[^)\s]*)\)|version (\d+\.\d+\.\d+\S*)")
 
@@ -81,6 +103,8 @@ class VllmProcess:
         self.api_key = api_key
         self.out = out
         self.proc: subprocess.Popen | None = None
+        self.reaper: subprocess.Popen | None = None
+        self._swept = False
         self.stage = "starting"
         self.version: str | None = None
 
@@ -89,16 +113,28 @@ class VllmProcess:
         return self.proc.pid if self.proc is not None else None
 
     def start(self) -> None:
+        self.stop(0.0)  # a previous run's group, should anything of it remain: swept before the next
         env = child_env(self.env)
         env.update(self.launch.env)
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # vLLM's rank-0 GPU worker posts usage statistics to its maintainers' server at start
+        # and every 10 minutes (vllm/usage/usage_lib.py) unless told not to: a node serves
+        # without reaching out. The cluster file's env can still set it to 0.
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
         self.proc = subprocess.Popen(
             self.launch.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, bufsize=1, text=True, errors="replace",
+            stderr=subprocess.STDOUT, process_group=0, bufsize=1, text=True, errors="replace",
             preexec_fn=_parent_death_signal,
         )
+        self._swept = False
+        try:  # in vLLM's group (the same session: setpgid allows it); its stdin is our pipe's read end
+            self.reaper = subprocess.Popen([sys.executable, "-I", "-c", REAPER], stdin=subprocess.PIPE,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                           process_group=self.proc.pid)
+        except OSError:  # vLLM already gone (its group with it): poll() sees the exit
+            self.reaper = None
         threading.Thread(target=self._pump, args=(self.proc.stdout,), name="vllm-log", daemon=True).start()
 
     def _pump(self, stream) -> None:
@@ -112,7 +148,14 @@ class VllmProcess:
                 self.version = version_in(line)
 
     def poll(self) -> int | None:
-        return self.proc.poll() if self.proc is not None else None
+        """vLLM's exit code once it has exited, and then its group swept (once): its engine and
+        workers do not outlive it."""
+        if self.proc is None:
+            return None
+        rc = self.proc.poll()
+        if rc is not None and not self._swept:
+            self._sweep()
+        return rc
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -122,7 +165,7 @@ class VllmProcess:
         Returns True when vLLM had to be killed."""
         proc = self.proc
         killed = False
-        if proc is None:
+        if proc is None or self._swept:
             return killed
         if proc.poll() is None:
             if on_stopping is not None:
@@ -134,12 +177,58 @@ class VllmProcess:
                 time.sleep(0.1)
             killed = proc.poll() is None
         # Children of a pair whose peer died can outlive the leader: always sweep the group.
-        signal_group(proc.pid, signal.SIGKILL)
+        self._sweep()
+        return killed
+
+    def _sweep(self) -> None:
+        proc, reaper = self.proc, self.reaper
+        self._swept = True
+        end_group(proc.pid, [p for p in (proc, reaper) if p is not None])
+        if reaper is not None and reaper.stdin is not None:
+            try:
+                reaper.stdin.close()
+            except OSError:
+                pass
+
+
+def group_members(pgid: int, proc: str = "/proc") -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    out = []
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return out
+    for name in entries:
+        if not name.isdigit():
+            continue
         try:
-            proc.wait(timeout=10)
+            with open(f"{proc}/{name}/stat", "rb") as f:
+                fields = f.read(4096).rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+            out.append(int(name))
+    return out
+
+
+def end_group(pgid: int, children: list[subprocess.Popen] = (), gone_s: float = GROUP_GONE_S) -> list[int]:
+    """SIGKILL every process of group `pgid`, reap our `children` of it, and wait (up to
+    `gone_s`) until none is left, so that its ports and memory are free. The one sweep of a
+    vLLM run; returns what is still there after `gone_s` (nothing, unless a process is stuck
+    in the kernel)."""
+    signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + gone_s
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        return killed
+    left = group_members(pgid)
+    while left and time.monotonic() < deadline:
+        signal_group(pgid, signal.SIGKILL)
+        time.sleep(0.05)
+        left = group_members(pgid)
+    return left
 
 
 def signal_group(pid: int, sig: int) -> None:
