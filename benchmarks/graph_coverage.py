@@ -159,7 +159,7 @@ def goal_met(result: dict) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="graph_coverage.py",
-        description=__doc__.split("\n\n")[0] + ". Prints which decode shapes replay a CUDA "
+        description=__doc__.split("\n\n")[0].rstrip(".") + ". Prints which decode shapes replay a CUDA "
         "graph and which b12x token counts are planned before READY versus reachable while "
         "serving; exit 0 when every decode shape is in a graph and nothing is planned after "
         "READY, 1 when not, 2 when the report could not be made.",

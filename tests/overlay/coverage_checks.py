@@ -272,11 +272,21 @@ def warmup_report(vc, target, draft, spec, reach_t, reach_d) -> dict:
             layer.quant_method.apply(layer, x, w, ids, shared_experts=None,
                                      shared_experts_input=None)
 
+    def buffers(model, tokens):
+        """vLLM's FusedMoEKernel sizing its buffers for a forward of ``tokens`` rows: the
+        experts' workspace_shapes, where a forward first asks the experts for a plan."""
+        for layer in model.children():
+            impl = layer.quant_method.moe_kernel.impl
+            fe = impl.fused_experts
+            prepared = fe._prepared()
+            impl._allocate_buffers(torch.bfloat16, torch.device("cpu"), tokens, tokens,
+                                   2 * int(prepared.intermediate_size),
+                                   int(prepared.hidden_size), mc.TOPK, mc.E, mc.E, None,
+                                   fe.moe_config.activation)
+
     def plans_since(mark):
         return [c[1]["caps"].fields["max_tokens"] for c in s.CALLS[mark:] if c[0] == "plan"]
 
-    # Small layers: the token counts, not the layer shape, are what this checks.
-    mc.K, mc.N = 64, 64
     target_model = moe_model(TARGET_MOE_LAYERS)
     draft_model = moe_model(DRAFT_MOE_LAYERS) if draft is not None else None
     # The worker's accessors the warm-up may read (vLLM's Worker has both).
@@ -301,13 +311,22 @@ def warmup_report(vc, target, draft, spec, reach_t, reach_d) -> dict:
         capture = sorted(set(plans_since(mark)))
         ready = len(s.CALLS)
         late = {"target": {}, "draft": {}}
+        # A whole forward (apply through FusedMoEKernel, b12x bind and run) for the counts
+        # up to the largest capture size, each draft count and the counts at either side of
+        # each power of two; vLLM's buffer sizing (the forward's first plan request) for
+        # every other count: a whole forward of each of ~8,000 counts takes too long here.
+        largest = max(sizes or [1])
+        edges = {e for b in range(14) for e in ((1 << b), (1 << b) + 1)}
         for role, model, counts in (("target", target_model, reach_t),
                                     ("draft", draft_model, reach_d)):
             for i, tokens in enumerate(counts):
-                if i % 1000 == 0:
+                if i % 2000 == 0:
                     print(f"serving {role}: {i}/{len(counts)}", file=sys.stderr, flush=True)
                 mark = len(s.CALLS)
-                forward(model, tokens)
+                if role == "draft" or tokens <= largest or tokens in edges:
+                    forward(model, tokens)
+                else:
+                    buffers(model, tokens)
                 got = plans_since(mark)
                 if got:
                     late[role][tokens] = len(got)

@@ -498,21 +498,23 @@ def check_eager_modules(site: Path) -> None:
 
 
 def check_provider_warmup(site: Path) -> None:
-    """vLLM's own b12x warm-up (kernel_warmup's b12x_warmup) reaches the MoE layers."""
+    """vLLM's own b12x warm-up (kernel_warmup's b12x_warmup) reaches the MoE layers of the
+    target and of the speculator's draft model: every layer plans every b12x token bucket up
+    to the scheduler's budget, one layer per shape launches each launch class."""
     import torch
     from types import SimpleNamespace
 
     from vllm.model_executor.warmup.b12x_warmup import b12x_warmup
 
     s = standin()
-    method, layer = build_method()
-    method2, layer2 = build_method()  # a second layer of the same shape: warmed once
-    model = torch.nn.Module()
-    model.add_module("moe", layer)
-    model.add_module("moe2", layer2)
-    layer.quant_method, layer2.quant_method = method, method2
+    model, draft = torch.nn.Module(), torch.nn.Module()
+    for parent, name in ((model, "moe"), (model, "moe2"), (draft, "draft_moe")):
+        method, layer = build_method()  # layers of one shape: launched once
+        layer.quant_method = method
+        parent.add_module(name, layer)
     worker = SimpleNamespace(
         get_model=lambda: model,
+        get_draft_model=lambda: draft,
         scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
         model_config=SimpleNamespace(dtype=torch.bfloat16),
     )
@@ -521,10 +523,13 @@ def check_provider_warmup(site: Path) -> None:
         b12x_warmup(worker, [1, 6, 24])
     names = [c[0] for c in s.CALLS]
     assert "route" not in names, names
+    planned = sorted(c[1]["caps"].fields["max_tokens"] for c in s.CALLS if c[0] == "plan")
+    assert planned == sorted([1, 2, 4, 8, 16, 32, 64] * 3), planned
     binds = [c[1]["a"].shape[0] for c in s.CALLS if c[0] == "Plan.bind"]
-    # 1 and 6 tokens launch as 16 rows on SM12x (the 16-row minimum): one launch.
-    assert sorted(binds) == [16, 24, 64], binds
-    assert names.count("run") == 3, names
+    # Counts up to 16 launch as 16 rows on SM12x (the 16-row minimum); 32 and 64 are the
+    # buckets above the capture sizes.
+    assert sorted(binds) == [16, 24, 32, 64], binds
+    assert names.count("run") == 4, names
 
 
 CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("check_")}

@@ -60,7 +60,6 @@ def test_every_target_verify_batch_replays_a_full_graph(coverage):
     assert not bad, bad
 
 
-@pytest.mark.xfail(strict=True, reason="0008 fix pending")
 def test_every_draft_batch_replays_a_full_graph(coverage):
     rows = coverage["graphs"]["draft"]
     assert [r["reqs"] for r in rows] == list(range(1, 13))
