@@ -80,17 +80,21 @@ def test_reader_reads_headers_only(dsv4, monkeypatch):
             read_per_file[self.name] = read_per_file.get(self.name, 0) + len(data)
             return data
 
-        def __enter__(self):
-            return self
+        def fileno(self):
+            return self.f.fileno()
 
-        def __exit__(self, *exc):
-            self.f.close()
+    import contextlib
 
-    def counting_open(self, mode="r", *args, **kwargs):
-        f = real_open(self, mode, *args, **kwargs)
-        return Counting(f, self.name) if "b" in mode else f
+    from dspark.plan import facts as plan_facts
 
-    monkeypatch.setattr(Path, "open", counting_open)
+    real_open_regular = plan_facts.open_regular  # shards are opened through dspark.safe_read
+
+    @contextlib.contextmanager
+    def counting_open(path):
+        with real_open_regular(path) as f:
+            yield Counting(f, Path(path).name)
+
+    monkeypatch.setattr(plan_facts, "open_regular", counting_open)
     load_model_facts(dsv4)
     assert len(read_per_file) == PUBLISHED_SHARD_COUNT
     for name, n in read_per_file.items():
