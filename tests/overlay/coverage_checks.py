@@ -26,9 +26,14 @@ It prints ``@@RESULTS@@{json}``. The SM12x capability family is simulated.
    ``get_model()`` is the target and whose model runner holds the DSpark speculator's draft
    model, then the graph capture's forwards (every descriptor of both managers, through
    every layer of its model). That is READY. Then every token count serving can reach goes
-   through every layer, via vLLM's FusedMoEKernel: the target's from ``dispatch`` of every
-   batch size 1..max_num_batched_tokens (mixed batches) and of every verify batch, the
-   draft's from ``dispatch`` of every draft batch. A ``plan`` call then is a plan after READY.
+   through every layer: the target's from ``dispatch`` of every batch size
+   1..max_num_batched_tokens (mixed batches) and of every verify batch, the draft's from
+   ``dispatch`` of every draft batch. A whole forward (apply through vLLM's FusedMoEKernel,
+   b12x bind and run) for the draft's counts, the target's up to the largest capture size
+   and those at either side of each power of two; for the other counts vLLM's
+   FusedMoEKernel sizing its buffers (``_allocate_buffers`` -> the experts'
+   ``workspace_shapes``, where a forward first asks for a plan). A ``plan`` call then is a
+   plan after READY.
 """
 
 from __future__ import annotations
