@@ -34,15 +34,34 @@ GROUP_GONE_S = 15.0  # how long end_group waits for the group's last process to 
 
 # Run as `python -c REAPER` in vLLM's process group; stdin is the pipe only the supervisor holds.
 # A stop's SIGTERM is for vLLM: ignored here; the sweep's SIGKILL ends the reaper with the rest.
+# With nothing else left in its group (vLLM's run ended without a sweep: no supervisor loop,
+# as in a test), it has nothing to guard and exits.
 REAPER = """
-import os, signal
+import os, select, signal
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-try:
-    while os.read(0, 64):
-        pass
-except OSError:
-    pass
+me, group = os.getpid(), os.getpgrp()
+def others():
+    for n in os.listdir("/proc"):
+        if n.isdigit() and int(n) != me:
+            try:
+                with open("/proc/%s/stat" % n, "rb") as f:
+                    x = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if x[0] != b"Z" and int(x[2]) == group:
+                return True
+    return False
+while True:
+    if select.select([0], [], [], 2.0)[0]:
+        try:
+            if os.read(0, 64):
+                continue
+        except OSError:
+            pass
+        break
+    if not others():
+        raise SystemExit(0)
 os.killpg(0, signal.SIGKILL)
 """
 
@@ -104,6 +123,7 @@ class VllmProcess:
         self.out = out
         self.proc: subprocess.Popen | None = None
         self.reaper: subprocess.Popen | None = None
+        self._reaper_pipe: int | None = None  # the write end: closed by the sweep, or by our death
         self._swept = False
         self.stage = "starting"
         self.version: str | None = None
@@ -129,12 +149,15 @@ class VllmProcess:
             preexec_fn=_parent_death_signal,
         )
         self._swept = False
+        r, self._reaper_pipe = os.pipe()  # both ends close-on-exec: vLLM inherits neither
         try:  # in vLLM's group (the same session: setpgid allows it); its stdin is our pipe's read end
-            self.reaper = subprocess.Popen([sys.executable, "-I", "-c", REAPER], stdin=subprocess.PIPE,
+            self.reaper = subprocess.Popen([sys.executable, "-I", "-c", REAPER], stdin=r,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                            process_group=self.proc.pid)
         except OSError:  # vLLM already gone (its group with it): poll() sees the exit
             self.reaper = None
+        finally:
+            os.close(r)
         threading.Thread(target=self._pump, args=(self.proc.stdout,), name="vllm-log", daemon=True).start()
 
     def _pump(self, stream) -> None:
@@ -184,11 +207,9 @@ class VllmProcess:
         proc, reaper = self.proc, self.reaper
         self._swept = True
         end_group(proc.pid, [p for p in (proc, reaper) if p is not None])
-        if reaper is not None and reaper.stdin is not None:
-            try:
-                reaper.stdin.close()
-            except OSError:
-                pass
+        if self._reaper_pipe is not None:
+            os.close(self._reaper_pipe)
+            self._reaper_pipe = None
 
 
 def group_members(pgid: int, proc: str = "/proc") -> list[int]:
