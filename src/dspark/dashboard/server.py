@@ -122,7 +122,7 @@ class DashboardServer:
 
         class Handler(BaseHTTPRequestHandler):
             server_version = f"dspark-dashboard/{__version__}"
-            protocol_version = "HTTP/1.1"  # keep-alive: one connection per open page
+            protocol_version = "HTTP/1.1"  # one request per connection all the same (http_server: no keep-alive)
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 discard_body(self)
