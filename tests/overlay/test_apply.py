@@ -99,14 +99,33 @@ def test_wrong_version_is_refused(tmp_path, stock_site, capsys):
     assert "vLLM 0.29.0" in err and "Traceback" not in err
 
 
+def _last_patch_of_a_stock_file(site) -> tuple[Path, str, str]:
+    """The latest patch that changes a file of stock vLLM, that file, and the first
+    line the patch removes there."""
+    for patch in reversed(read_series(OVERLAY_DIR)):
+        path = None
+        for line in patch.read_text().splitlines():
+            if line.startswith("--- a/"):
+                path = line[len("--- a/"):]
+                path = path if (site / path).is_file() else None
+            elif path and line.startswith("-") and not line.startswith("---") and line[1:].strip():
+                return patch, path, line[1:]
+    raise AssertionError("no patch changes a stock file")
+
+
 def test_failing_patch_leaves_the_tree_stock(tmp_path, stock_site):
     site = _small_tree(tmp_path, stock_site)
-    # Break the context of a late patch only: the early ones would apply.
-    target = site / "vllm/v1/worker/gpu/spec_decode/dspark/speculator.py"
-    target.write_text(target.read_text().replace("class DSparkSpeculator(", "class Other("))
+    # Break a late patch only (a line it removes from a stock file): the
+    # patches before it would apply.
+    last, path, removed = _last_patch_of_a_stock_file(site)
+    assert last.name != read_series(OVERLAY_DIR)[0].name
+    target = site / path
+    text = target.read_text()
+    assert removed in text
+    target.write_text(text.replace(removed, removed + "  # changed locally", 1))
     touched = _all_touched()
     before = _digests(site, touched)
-    with pytest.raises(OverlayError, match="0008-dspark-private-capture-sizes.patch"):
+    with pytest.raises(OverlayError, match=last.name):
         apply_series(site, OVERLAY_DIR)
     assert _digests(site, touched) == before
     assert not (site / "vllm/utils/spark_sm12x.py").exists()
