@@ -358,3 +358,22 @@ def test_bad_inputs_are_plan_errors(tmp_path):
     model = write_tiny_llama(tmp_path / "m", with_weights=False)
     with pytest.raises(PlanError, match="kv_cache_dtype"):
         make_plan(PlanInputs(model, 1, kv_cache_dtype="int3"))
+
+
+def test_concurrency_advice_names_the_batched_tokens_lever_not_fewer_seqs(dsv4_facts):
+    """The admission reserve is the sliding-window groups' admission cap at
+    max_in_flight_tokens = 2 x max_num_batched_tokens (async scheduling): halving the
+    budget about halves it, and the note says so with the figures that follow; it never
+    tells the user to lower max_num_seqs (vLLM reserves nothing per admitted request)."""
+    base = PlanInputs(dsv4_facts.model_dir, 2, num_speculative_tokens=5, kv_cache_dtype="nvfp4_ds_mla",
+                      max_num_batched_tokens=8192, async_scheduling=True, max_num_seqs=16)
+    plan = plan_mod.plan_from_facts(dsv4_facts, base)
+    half = plan_mod.plan_from_facts(dsv4_facts, PlanInputs(**{**base.__dict__, "max_num_batched_tokens": 4096}))
+    assert plan.in_flight_tokens == 16384
+    assert 1.9 < plan.admission_reserve_blocks / half.admission_reserve_blocks < 2.1
+    assert plan.admission_reserve_bytes > 0
+    assert plan.max_context_at_max_num_seqs < plan.inputs.max_model_len
+    note = " ".join(plan.notes)
+    assert "max_num_batched_tokens 8,192 -> 4,096" in note, note
+    assert f"{half.admission_reserve_blocks:,} blocks" in note, note
+    assert "lower max_num_seqs" not in note

@@ -47,7 +47,8 @@ def test_plan_published_without_a_model_or_a_cluster_file_equals_the_header_only
     assert shipped == on_disk
     text = run_dspark("plan", "--published", env=NO_CONFIG, cwd=tmp_path).stdout
     assert "fits                      yes" in text and "KV tokens per rank        819,217" in text
-    assert "note: 12 concurrent requests can hold" in text
+    assert "note: 12 concurrent requests run with up to" in text
+    assert "admission reserve" in text and "lower max_num_seqs" not in text
 
 
 def test_published_follows_the_cluster_files_settings(tmp_path):

@@ -45,6 +45,6 @@ from .kv_layout import (  # noqa: F401
     kv_layout,
 )
 from .fit import (  # noqa: F401
-    Plan, PlanInputs, _largest_context, _largest_context_bytes, _raise_tp_hint, make_plan, plan_from_facts,
+    Plan, PlanInputs, Scheduling, _largest_context_bytes, scheduling, _raise_tp_hint, make_plan, plan_from_facts,
 )
 from .from_cluster import plan_for_cluster, plan_inputs  # noqa: F401,E402

@@ -10,6 +10,7 @@ from typing import Any
 from .facts import (
     DSV4_RUNTIME_OVERHEAD_BYTES, GB10_USABLE_MEMORY_BYTES, GiB, ModelFacts, PlanError, SEED_MAX_MODEL_LEN,
     SEED_MAX_NUM_BATCHED_TOKENS, SEED_MAX_NUM_SEQS, SEED_GPU_MEMORY_UTILIZATION, SEED_ASYNC_SCHEDULING,
+    SEED_LONG_PREFILL_TOKEN_THRESHOLD,
     load_model_facts,
 )
 from .weights import WeightSplit, split_weights
@@ -38,6 +39,7 @@ class PlanInputs:
     runtime_overhead_bytes: int | None = None
     max_num_batched_tokens: int = SEED_MAX_NUM_BATCHED_TOKENS
     async_scheduling: bool = SEED_ASYNC_SCHEDULING   # the seed serves with --async-scheduling
+    long_prefill_token_threshold: int = SEED_LONG_PREFILL_TOKEN_THRESHOLD  # 0: no cap
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len",
@@ -52,6 +54,8 @@ class PlanInputs:
             raise PlanError("kv_cache_memory_bytes must not be negative")
         if self.num_speculative_tokens < 0:
             raise PlanError("num_speculative_tokens must not be negative")
+        if self.long_prefill_token_threshold < 0:
+            raise PlanError("long_prefill_token_threshold must not be negative")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,10 @@ class Plan:
     kv_tokens: int                  # vLLM's "KV cache size: N tokens" (per rank)
     max_concurrency: float          # requests of max_model_len at once
     max_context_at_max_num_seqs: int
+    full_length_requests: int       # requests of max_model_len that run at once
+    admission_reserve_blocks: int   # admission cap beyond what the request then holds
+    admission_reserve_bytes: int
+    in_flight_tokens: int           # vLLM's max_in_flight_tokens
     max_model_len_that_fits: int    # one request
     kv_caches: tuple[tuple[str, int, int], ...]
     problems: list[str] = field(default_factory=list)
@@ -103,6 +111,10 @@ class Plan:
             "kv_tokens": self.kv_tokens,
             "max_concurrency": round(self.max_concurrency, 4),
             "max_context_at_max_num_seqs": self.max_context_at_max_num_seqs,
+            "full_length_requests": self.full_length_requests,
+            "admission_reserve_blocks": self.admission_reserve_blocks,
+            "admission_reserve_bytes": self.admission_reserve_bytes,
+            "max_in_flight_tokens": self.in_flight_tokens,
             "max_model_len_that_fits": self.max_model_len_that_fits,
             "kv_caches": [
                 {"cache": n, "layers": c, "page_bytes": p} for n, c, p in self.kv_caches
@@ -133,6 +145,14 @@ class Plan:
             ("max_model_len", f"{i.max_model_len:,}"
                               f" (one request fits up to {self.max_model_len_that_fits:,})"),
             (f"context at {i.max_num_seqs} seqs", f"{self.max_context_at_max_num_seqs:,}"),
+            ("full-length requests", f"{self.full_length_requests} at once"
+                                     f" (of {i.max_model_len:,} tokens)"),
+            ("admission reserve", f"{self.admission_reserve_blocks:,} blocks"
+                                  f" ({gib(self.admission_reserve_bytes)}), set by"
+                                  f" max_in_flight_tokens {self.in_flight_tokens:,}"
+                                  f" = max_num_batched_tokens {i.max_num_batched_tokens:,}"
+                                  f" x {self.in_flight_tokens // i.max_num_batched_tokens}"
+                                  " batches in flight"),
             ("fits", "yes" if self.fits else "NO"),
         ]
         width = max(len(k) for k, _ in rows)
@@ -142,22 +162,117 @@ class Plan:
         return "\n".join(lines) + "\n"
 
 
-def _largest_context(layout: KVLayout, num_blocks: int, seqs: int, limit: int) -> int:
-    """Largest L with seqs * blocks_per_request(L) <= num_blocks (0 if none).
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
-    vLLM reserves blocks per request at admission with the same per-request
-    bound it uses for the capacity figure (single_type_kv_cache_manager.py:
-    min(cdiv(tokens, block), max_admission_blocks_per_request)), so this is the
-    context each of `seqs` requests is sure to be admitted with.
+
+@dataclass(frozen=True)
+class Scheduling:
+    """What vLLM 0.28.0's scheduler does with a pool, for requests of one length.
+
+    The rules (vllm/v1/core/kv_cache_manager.py ``allocate_slots``, v1/core/sched/scheduler.py):
+    - admission reserves nothing: a waiting request is admitted when its capped need
+      (``full_sequence_must_fit``: the prompt's blocks, each sliding-window group capped at
+      ``SlidingWindowSpec.max_admission_blocks_per_request``, window - 1 +
+      ``max_in_flight_tokens``) is no more than the blocks free now; then only its first
+      chunk's blocks are allocated;
+    - every step ``remove_skipped_blocks`` frees the sliding-window blocks behind the window
+      (on processed tokens, those still in flight kept), so a decoding request holds its
+      full-attention blocks and a few window blocks per group;
+    - ``max_in_flight_tokens`` = ``max_num_batched_tokens`` x the batches in flight (2 with
+      async scheduling, VllmConfig.max_concurrent_batches), so the cap of the small-block
+      compressor-state groups is thousands of blocks: the admission reserve, paid by the one
+      request being admitted, not by every request;
+    - a step's ``max_num_batched_tokens`` go to the running requests first, each prefill
+      chunk at most ``long_prefill_token_threshold`` (0: the whole budget); waiting requests
+      are admitted with what is left, so requests are admitted in waves of
+      budget / chunk (1 without a threshold) while the earlier waves decode.
+    A workload of n requests of L tokens runs without preemption when every admission gate
+    passes and the pool holds all n once the last wave has prefilled.
     """
-    lo, hi = 0, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if seqs * layout.blocks_per_request(mid) <= num_blocks:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+
+    layout: KVLayout
+    num_blocks: int
+    budget: int          # max_num_batched_tokens
+    chunk: int           # the longest prefill chunk of one request per step
+    batches: int         # batches in flight
+    spec: int            # speculative tokens (lookahead slots)
+
+    def held(self, tokens: int, in_flight: int) -> int:
+        """Blocks a request of ``tokens`` holds with ``in_flight`` of them not yet settled."""
+        total = 0
+        for g in self.layout.groups:
+            blocks = _cdiv(tokens + self.spec, g.block_size)
+            if g.window:
+                skipped = max(0, tokens - in_flight - (g.window - 1))
+                blocks -= skipped // g.block_size
+            total += blocks
+        return total
+
+    def admission_cap(self, tokens: int) -> int:
+        return self.layout.blocks_per_request(tokens)
+
+    def reserve(self, tokens: int) -> int:
+        """The admission cap beyond what the admitted request ends up holding."""
+        return max(0, self.admission_cap(tokens) - self.decoding(tokens))
+
+    def decoding(self, tokens: int) -> int:
+        return self.held(tokens, self.batches * (1 + self.spec))
+
+    def runs(self, n: int, tokens: int) -> bool:
+        """n requests of ``tokens`` admitted together run at once without preemption."""
+        if n < 1:
+            return True
+        cap = self.admission_cap(tokens)
+        decoding = self.decoding(tokens)
+        # When a wave's last member is gated, its earlier members hold their first chunk
+        # (admitted in the same step) or two chunks (a step later), and the previous wave
+        # may still hold its last chunks in flight: where the previous wave's last chunks
+        # end (tokens mod chunk) decides which, so vLLM's own limit moves by a few percent
+        # with the length. The plan takes 1.75 chunks, between the two: against
+        # benchmarks/plan_vs_scheduler.py the simulation ran 12 x 279,211 and failed
+        # 12 x 287,000 and 12 x 269,521 at the defaults.
+        started = min(self.chunk + 3 * self.chunk // 4, tokens)
+        first_chunk = self.held(started, started)
+        done, left, last = 0, n, 1
+        for _ in range(n):  # one wave at least per iteration: bounded by n
+            if not left:
+                break
+            room = max(1, self.budget - done * (1 + self.spec))
+            wave = min(left, _cdiv(room, self.chunk))
+            for j in range(wave):
+                if done * decoding + j * first_chunk + cap > self.num_blocks:
+                    return False
+            done, left, last = done + wave, left - wave, wave
+        prefilling = self.held(tokens, self.batches * min(self.chunk, tokens))
+        return (n - last) * decoding + last * prefilling <= self.num_blocks
+
+    def longest(self, n: int, limit: int) -> int:
+        """Largest L <= limit at which n requests of L tokens run at once (0 if none)."""
+        lo, hi = 0, limit
+        while lo < hi:  # binary search: log2(limit) rounds
+            mid = (lo + hi + 1) // 2
+            if self.runs(n, mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def most(self, tokens: int, limit: int) -> int:
+        """Most requests of ``tokens`` that run at once (at most ``limit``)."""
+        k = 0
+        while k < limit and self.runs(k + 1, tokens):  # bounded by limit
+            k += 1
+        return k
+
+
+def scheduling(layout: KVLayout, num_blocks: int, inputs: PlanInputs) -> Scheduling:
+    budget = inputs.max_num_batched_tokens
+    threshold = inputs.long_prefill_token_threshold or 0
+    chunk = threshold if 0 < threshold < budget else budget
+    batches = 2 if inputs.async_scheduling and inputs.pipeline_parallel_size == 1 else (
+        inputs.pipeline_parallel_size)
+    return Scheduling(layout, num_blocks, budget, chunk, batches, inputs.num_speculative_tokens)
 
 
 def make_plan(inputs: PlanInputs) -> Plan:
@@ -228,7 +343,7 @@ def plan_from_facts(facts: ModelFacts, inputs: PlanInputs) -> Plan:
     limit = int(cfg.get("max_position_embeddings") or inputs.max_model_len)
     limit = max(limit, inputs.max_model_len)
     one_request = _largest_context_bytes(layout, kv_bytes, limit)
-    at_seqs = _largest_context(layout, num_blocks, inputs.max_num_seqs, limit)
+    sched, at_seqs, full_len, reserve = _concurrency(facts, inputs, num_blocks)
 
     if not problems and layout.bytes_needed_for_one_request(inputs.max_model_len) > kv_bytes:
         problems.append(
@@ -238,12 +353,7 @@ def plan_from_facts(facts: ModelFacts, inputs: PlanInputs) -> Plan:
             "kv_cache_memory_bytes, a larger tensor_parallel_size)"
         )
     if not problems and at_seqs < inputs.max_model_len:
-        seqs_full = int(concurrency)
-        notes.append(
-            f"{inputs.max_num_seqs} concurrent requests can hold {at_seqs:,} tokens each; "
-            f"{seqs_full} request(s) of the full {inputs.max_model_len:,} tokens fit at once "
-            f"(lower max_num_seqs to {max(seqs_full, 1)} to guarantee full-length requests)"
-        )
+        notes.append(_concurrency_note(facts, inputs, num_blocks, sched, at_seqs, full_len, reserve))
 
     return Plan(
         inputs=inputs,
@@ -263,11 +373,53 @@ def plan_from_facts(facts: ModelFacts, inputs: PlanInputs) -> Plan:
         kv_tokens=kv_tokens,
         max_concurrency=concurrency,
         max_context_at_max_num_seqs=at_seqs,
+        full_length_requests=full_len,
+        admission_reserve_blocks=reserve,
+        admission_reserve_bytes=reserve * layout.block_stride,
+        in_flight_tokens=sched.budget * sched.batches,
         max_model_len_that_fits=one_request,
         kv_caches=layout.detail,
         problems=problems,
         notes=notes,
     )
+
+
+def _concurrency(facts: ModelFacts, inputs: PlanInputs, num_blocks: int):
+    """(scheduling, context at max_num_seqs, full-length requests, admission reserve)."""
+    sched = scheduling(kv_layout(facts, inputs), num_blocks, inputs)
+    mml = inputs.max_model_len
+    return (sched, sched.longest(inputs.max_num_seqs, mml),
+            sched.most(mml, inputs.max_num_seqs), sched.reserve(mml))
+
+
+def _concurrency_note(facts: ModelFacts, inputs: PlanInputs, num_blocks: int, sched: Scheduling,
+                      at_seqs: int, full_len: int, reserve: int) -> str:
+    """What runs, and which settings buy more (each figure from the same rules)."""
+    from dataclasses import replace
+
+    n, mml, budget = inputs.max_num_seqs, inputs.max_model_len, inputs.max_num_batched_tokens
+    text = (f"{n} concurrent requests run with up to {at_seqs:,} tokens each and "
+            f"{full_len} request(s) of the full {mml:,} tokens run at once "
+            f"(vLLM admits a request when its capped need fits the free blocks and "
+            f"reserves nothing; the admission reserve of {reserve:,} blocks is paid "
+            f"once, by the request being admitted)")
+    levers = []
+    alternatives = []
+    if budget >= 2048:
+        alternatives.append((f"max_num_batched_tokens {budget:,} -> {budget // 2:,}",
+                             replace(inputs, max_num_batched_tokens=budget // 2)))
+    if inputs.async_scheduling:
+        alternatives.append(("async_scheduling off (no overlap of scheduling and execution)",
+                             replace(inputs, async_scheduling=False)))
+    for what, alt in alternatives:
+        _, at2, full2, reserve2 = _concurrency(facts, alt, num_blocks)
+        if at2 > at_seqs * 1.01 or full2 > full_len:
+            levers.append(f"{what} takes the reserve to {reserve2:,} blocks: {n} x {at2:,} tokens, "
+                          f"{full2} full-length")
+    if levers:
+        text += "; " + "; ".join(levers)
+    return text + ("; more KV memory (gpu_memory_utilization, kv_cache_memory_bytes, "
+                   "tensor_parallel_size) raises both")
 
 
 def _largest_context_bytes(layout: KVLayout, kv_bytes: int, limit: int) -> int:

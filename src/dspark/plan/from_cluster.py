@@ -28,6 +28,8 @@ def plan_inputs(cluster, model_dir: Path | None = None) -> PlanInputs:
         num_speculative_tokens=s.num_speculative_tokens,
         max_num_batched_tokens=s.max_num_batched_tokens,
         async_scheduling=s.async_scheduling,
+        # vLLM's default (0: no cap) for a config without the setting.
+        long_prefill_token_threshold=getattr(s, "long_prefill_token_threshold", None) or 0,
     )
 
 

@@ -1,0 +1,251 @@
+"""How many requests of what length vLLM 0.28.0's own scheduler keeps running, on CPU.
+
+Run in a subprocess whose PYTHONPATH puts a patched vLLM 0.28.0 tree first
+(tests/overlay/conftest.py's ``run_checks``)::
+
+    python scheduler_sim.py SITE CASES_JSON
+
+CASES_JSON is a list of cases; each names a pool size in bytes (the planner's
+"KV cache per rank", whose block count vLLM's own get_kv_cache_config_from_groups
+computes here), the serving settings (max_model_len, max_num_seqs,
+max_num_batched_tokens, async_scheduling, num_speculative_tokens,
+long_prefill_token_threshold) and a workload: ``n`` requests of ``length`` tokens, sent
+together (each a prompt of ``length - decode`` distinct tokens that may generate
+``decode`` more). A case is ``ok`` when all n requests have prefilled their whole prompt
+and decoded SETTLE tokens at the same time (all n hold their KV at once) with no
+preemption; it fails at the first preemption, or when a request finishes before that. A
+case with ``bisect`` searches ``n`` or ``length`` (bisect_case); ``debug`` adds the blocks
+each request holds per KV-cache group at the end. It prints ``@@RESULTS@@`` and one JSON
+list.
+
+What runs is vLLM's own code: a real VllmConfig from
+tests/fixtures/deepseek-v4-flash-config.json with the SM12x capability family
+simulated; the DeepSeek V4 cache layers of every layer
+(kv_layout_checks.Layers, the overlay's SM120 attention class) give their KV-cache
+specs; vLLM groups and packs them (get_kv_cache_groups,
+get_kv_cache_config_from_groups) for the pool; its Scheduler (AsyncScheduler
+with async scheduling) and KVCacheManager admit, chunk, allocate, free
+sliding-window blocks and preempt. Only the model is fake: every batch "samples"
+one token per request whose prefill is done (all draft tokens rejected), and
+two batches are in flight the way EngineCore.step_with_batch_queue keeps them
+(a batch's output reaches the scheduler after the next batch is scheduled).
+Prompts are distinct, so there are no prefix hits (prefix caching is off).
+
+Bounded in time: the pool has its real block count and the prompts their real lengths,
+but a run stops once every request has decoded SETTLE tokens while all n run, so a case
+takes about n * length / max_num_batched_tokens scheduler steps (each bounded by
+max_steps). The caller checks the planner's figures by bracketing (the workload runs at
+95% of the planner's figure and does not at 105%; the planned count of full-length
+requests runs and one more does not) instead of searching for the exact limit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections import deque
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+FIXTURE = HERE.parents[0] / "fixtures" / "deepseek-v4-flash-config.json"
+BLOCK_SIZE = 256
+_MODELS: dict = {}
+SETTLE = 4  # tokens every request decodes while all n are running
+
+
+def _config(case: dict, model_dir: Path):
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    mml = int(case["max_model_len"])
+    model = _MODELS.get(mml)
+    if model is None:  # building one takes a minute on a small box: one per length
+        model = _MODELS[mml] = ModelConfig(model=str(model_dir), max_model_len=mml,
+                                           skip_tokenizer_init=True, dtype="bfloat16")
+    cache = CacheConfig(cache_dtype=case.get("kv_cache_dtype", "nvfp4_ds_mla"),
+                        block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    sched = SchedulerConfig(max_num_batched_tokens=int(case["max_num_batched_tokens"]),
+                            max_num_seqs=int(case["max_num_seqs"]), max_model_len=mml,
+                            is_encoder_decoder=False)
+    vc = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
+    # The CPU platform rewrites these for its own kernels; on the GB10 nodes the
+    # served settings stand.
+    vc.cache_config.block_size = BLOCK_SIZE
+    vc.cache_config.enable_prefix_caching = False
+    vc.scheduler_config.max_num_batched_tokens = int(case["max_num_batched_tokens"])
+    vc.scheduler_config.max_num_seqs = int(case["max_num_seqs"])
+    vc.scheduler_config.async_scheduling = bool(case["async_scheduling"])
+    vc.scheduler_config.enable_chunked_prefill = True
+    vc.scheduler_config.long_prefill_token_threshold = int(case.get("long_prefill_token_threshold") or 0)
+    k = int(case.get("num_speculative_tokens", 0))
+    # DSpark as the template runs it; vLLM's SpeculativeConfig.use_eagle() is True
+    # for DSpark, so the scheduler allocates k lookahead slots per request.
+    vc.speculative_config = SimpleNamespace(
+        num_speculative_tokens=k, parallel_drafting=False,
+        num_speculative_tokens_per_batch_size=None,
+        use_dspark=lambda: True, use_multi_module_mtp=lambda: False,
+        use_eagle=lambda: True, uses_draft_model=lambda: False, use_dflash=lambda: False,
+        draft_model_config=model, method="dspark",
+        # SpeculativeConfig.max_num_new_slots_for_drafting's table: DSpark, K - 1.
+        max_num_new_slots_for_drafting=k - 1,
+    ) if k else None
+    return vc
+
+
+def _model_dir(tmp: Path) -> Path:
+    d = tmp / "dsv4"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(FIXTURE.read_text())
+    return d
+
+
+def _kv_cache_config(vc, kv_bytes: int):
+    from kv_layout_checks import Layers  # the DeepSeek V4 cache layers, built by their classes
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+    from vllm.v1.worker.gpu import attn_utils
+
+    Layers(vc)
+    specs = attn_utils.get_kv_cache_spec(vc)
+    groups = get_kv_cache_groups(vc, specs)
+    # What EngineCore._initialize_kv_caches hands the scheduler.
+    return generate_scheduler_kv_cache_config(
+        [get_kv_cache_config_from_groups(vc, groups, int(kv_bytes))])
+
+
+def run_case(case: dict, model_dir: Path) -> dict:
+    from vllm.config import set_current_vllm_config
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vc = _config(case, model_dir)
+    with set_current_vllm_config(vc):
+        kv_config = _kv_cache_config(vc, case["kv_bytes"])
+        vc.cache_config.num_gpu_blocks = kv_config.num_blocks
+        cls = AsyncScheduler if case["async_scheduling"] else Scheduler
+        sched = cls(vc, kv_config, StructuredOutputManager(vc), block_size=BLOCK_SIZE,
+                    log_stats=False)
+    n, length = int(case["n"]), int(case["length"])
+    # Each request's prompt leaves ``decode`` tokens of room to max_model_len's bound; it
+    # may generate all of them, but the run stops once every request has prefilled its
+    # whole prompt and decoded ``SETTLE`` tokens at the same time (all n hold their KV at
+    # once), or at the first preemption.
+    decode = min(int(case.get("decode", 1024)), length - 1)
+    prompt = length - decode
+    for i in range(n):
+        tokens = [(i * 7919 + j) % 120000 + 1 for j in range(prompt)]
+        sp = SamplingParams(max_tokens=decode, ignore_eos=True, min_tokens=decode)
+        sched.add_request(Request(f"r{i}", tokens, sp, None))
+    reqs = dict(sched.requests)
+    batch_queue: deque = deque()
+    depth = vc.max_concurrent_batches
+    steps = 0
+    # Every loop is bounded: prefill takes n * prompt / chunk-budget steps, decode a few.
+    max_steps = int(case.get("max_steps") or
+                    4 * (n * length // int(case["max_num_batched_tokens"]) + n * 16) + 200)
+    max_running = 0
+    all_at_once = False
+    while (sched.has_requests() or batch_queue) and steps < max_steps:
+        steps += 1
+        if sched.has_requests():
+            out = sched.schedule()
+            done = {rid: not sched.requests[rid].is_prefill_chunk
+                    for rid in out.num_scheduled_tokens}
+            batch_queue.appendleft((out, done))
+            max_running = max(max_running, len(sched.running))
+            if len(batch_queue) < depth and sched.has_requests():
+                continue
+        if not batch_queue:
+            break
+        out, done = batch_queue.pop()
+        ids = list(out.num_scheduled_tokens)
+        result = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] if done[r] else [] for r in ids],
+            logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
+        sched.update_from_output(out, result)
+        if any(r.num_preemptions for r in reqs.values()):
+            break
+        if any(r.is_finished() for r in reqs.values()):
+            break  # one finished before all n held their KV at once
+        if all(r.num_output_tokens >= SETTLE for r in reqs.values()):
+            all_at_once = True
+            break
+    preempted = [r.request_id for r in reqs.values() if r.num_preemptions]
+    held = {}
+    if case.get("debug"):
+        mgrs = sched.kv_cache_manager.coordinator.single_type_managers
+        held = {rid: [r.num_computed_tokens, r.status.name,
+                      [len(m.req_to_blocks.get(rid, ())) - sum(1 for b in m.req_to_blocks.get(rid, ())
+                                                               if b.is_null) for m in mgrs]]
+                for rid, r in reqs.items()}
+        held["free"] = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    pool = sched.kv_cache_manager.block_pool.num_gpu_blocks
+    return {"num_blocks": kv_config.num_blocks, "pool_blocks": pool,
+            "preemptions": len(preempted), "max_running": max_running, "steps": steps,
+            "all_at_once": all_at_once, **({"held": held} if held else {}),
+            "ok": all_at_once and not preempted}
+
+
+def bisect_case(case: dict, model_dir: Path) -> dict:
+    """``bisect``: {"key": "length" or "n", "lo": a, "hi": b, "rounds": r}. Runs the workload
+    at lo and at hi, then bisects between the last value that ran and the first that did
+    not for at most r rounds. Reports both ends and every run."""
+    spec = case["bisect"]
+    key, lo, hi = spec["key"], int(spec["lo"]), int(spec["hi"])
+    runs = {}
+
+    def ok(value: int) -> bool:
+        if value not in runs:
+            runs[value] = run_case({**case, key: value}, model_dir)
+        return runs[value]["ok"]
+
+    lo_ok, hi_ok = ok(lo), ok(hi)
+    good, bad = (lo if lo_ok else None), (None if hi_ok else hi)
+    if lo_ok and not hi_ok:
+        for _ in range(int(spec.get("rounds", 0))):  # bounded by rounds
+            if bad - good <= 1:
+                break
+            mid = (good + bad) // 2
+            if ok(mid):
+                good = mid
+            else:
+                bad = mid
+    first = next(iter(runs.values()))
+    return {"lo_ok": lo_ok, "hi_ok": hi_ok, "ran": good, "failed": bad,
+            "num_blocks": first.get("num_blocks"), "error": first.get("error"),
+            "runs": {str(k): {f: v.get(f) for f in ("ok", "preemptions", "max_running", "steps")}
+                     for k, v in sorted(runs.items())}}
+
+
+def main() -> None:
+    import tempfile
+
+    from kv_layout_checks import _simulate_sm12x
+
+    cases = json.loads(sys.argv[2])
+    _simulate_sm12x()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _model_dir(Path(tmp))
+        for case in cases:
+            try:
+                results.append(bisect_case(case, model_dir) if "bisect" in case
+                               else run_case(case, model_dir))
+            except Exception:  # noqa: BLE001 - reported to the caller
+                results.append({"ok": False, "error": traceback.format_exc()[-3000:]})
+    print("@@RESULTS@@" + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
