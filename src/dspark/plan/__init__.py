@@ -23,6 +23,11 @@ The accounting follows vLLM 0.28.0 (the release the GB10 runtime pins):
 number of blocks over the blocks one ``max_model_len`` request needs, times
 ``max_model_len``. It is per rank: every rank holds the same block pool.
 
+The concurrency figures (the context each of ``max_num_seqs`` requests runs with, how many
+full-``max_model_len`` requests run at once, the admission reserve) follow vLLM's scheduler
+and KV-cache manager, not a reservation model: ``fit.Scheduling`` says which rules, and
+``benchmarks/plan_vs_scheduler.py`` compares them with vLLM's own Scheduler on CPU.
+
 The package, one module per step: ``facts`` (model directory -> ModelFacts), ``weights``
 (the split per rank), ``kv_layout`` (bytes per token as vLLM accounts them), ``fit`` (the
 budget and the verdict) and ``from_cluster`` (which of the cluster file's settings the plan
