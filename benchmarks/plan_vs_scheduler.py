@@ -107,13 +107,24 @@ def full_length(plan) -> int:
     return int(plan.max_concurrency) if n is None else n
 
 
-def patched_site(dest: Path) -> Path:
-    """A copy of the installed vLLM with the overlay applied (tests/overlay/conftest.py's way)."""
-    sys.path.insert(0, str(REPO / "tests" / "overlay"))
+def overlay_conftest():
+    """tests/overlay/conftest.py, loaded by path (tests/conftest.py is another 'conftest')."""
     import importlib.util
 
-    from conftest import copy_vllm_tree
+    spec = importlib.util.spec_from_file_location(
+        "dspark_overlay_conftest", REPO / "tests" / "overlay" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def patched_site(dest: Path) -> Path:
+    """A copy of the installed vLLM with the overlay applied (tests/overlay/conftest.py's way)."""
+    import importlib.util
+
     from dspark.overlay import apply_series
+
+    copy_vllm_tree = overlay_conftest().copy_vllm_tree
 
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:

@@ -31,9 +31,8 @@ pytest.importorskip("vllm")
 def rows(tmp_path_factory):
     from dspark.overlay import apply_series
 
-    sys.path.insert(0, str(REPO / "tests" / "overlay"))
-    from conftest import copy_vllm_tree, installed_site_packages
-
+    overlay = pvs.overlay_conftest()
+    copy_vllm_tree, installed_site_packages = overlay.copy_vllm_tree, overlay.installed_site_packages
     site = tmp_path_factory.mktemp("sched-site")
     copy_vllm_tree(installed_site_packages(), site)
     apply_series(site, pvs.OVERLAY_DIR)
