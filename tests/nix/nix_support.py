@@ -1,10 +1,13 @@
-"""Helpers for the Nix tests: run the evaluator offline, write Python data as Nix."""
+"""Helpers for the Nix tests: run the evaluator offline, write Python data as Nix, load
+the nix/ scripts as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,3 +48,12 @@ def to_nix(value) -> str:
     if isinstance(value, dict):
         return "{ " + " ".join(f"{json.dumps(k)} = {to_nix(v)};" for k, v in value.items()) + " }"
     raise TypeError(f"no Nix form for {value!r}")
+
+
+def load_script(name: str, relpath: str):
+    """A script of the repository (nix/replay-runtime.py, say) imported as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, REPO / relpath)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

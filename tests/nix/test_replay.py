@@ -10,7 +10,6 @@ the data as it is now. The small tests at the end run everywhere, on wheels they
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,20 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from nix_support import REPO
+from nix_support import REPO, load_script
 
 pytestmark = pytest.mark.nix
 
 
-def load_replay():
-    spec = importlib.util.spec_from_file_location("replay_runtime", REPO / "nix/replay-runtime.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["replay_runtime"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rr = load_replay()
+rr = load_script("replay_runtime", "nix/replay-runtime.py")
 WHEELS, BUILD = rr.load_plan()
 BY_NAME = {w.name: w for w in WHEELS}
 CACHE = Path(os.environ.get("DSPARK_WHEEL_CACHE") or rr.DEFAULT_CACHE)

@@ -11,7 +11,7 @@ from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-from nix_support import REPO, nix_eval
+from nix_support import REPO, load_script, nix_eval
 
 pytestmark = pytest.mark.nix
 
@@ -21,13 +21,7 @@ ROOTS = {canonicalize_name(Requirement(r).name): Requirement(r) for r in LOCK["r
 
 
 def lock_runtime():
-    import importlib.util
-    import sys
-    spec = importlib.util.spec_from_file_location("lock_runtime", REPO / "nix/lock-runtime.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["lock_runtime"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("lock_runtime", "nix/lock-runtime.py")
 
 
 def applies(req: Requirement, extra: str) -> bool:
