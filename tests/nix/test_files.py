@@ -105,26 +105,32 @@ def test_flake_has_the_outputs_a_nixos_user_expects(nix_instantiate, nixpkgs_lib
     assert out["hosts"] == ["spark-a", "spark-b"] and out["template"] and out["overlay"]
 
 
+# Nix `let` bindings shared by the template-host tests: `hosts` (nix/template/hosts.nix) and
+# `nixos HOST`, that host evaluated with the stand-ins, the module and the shared cluster file.
+TEMPLATE_HOSTS = """\
+        hosts = (import ./nix/template/hosts.nix).hosts;
+        fake = name: { type = "derivation"; inherit name; outPath = "/nix/store/00000000000000000000000000000000-${name}"; };
+        nixos = host: lib.evalModules {
+          modules = [
+            (import ./tests/nix/stand-ins.nix { inherit lib; })
+            { options.nixpkgs.config = lib.mkOption { type = lib.types.attrs; default = { }; }; }
+            (import ./modules/default.nix)
+            { services.dspark.package = fake "dspark-0.1.0";
+              services.dspark.runtimePackage = lib.mkOverride 900 (fake "dspark-runtime-0.28.0"); }
+            ./nix/template/dspark-cluster.nix
+            host
+          ];
+        };
+"""
+
+
 def test_template_hosts_evaluate_as_head_and_worker(nix_instantiate, nixpkgs_lib):
     """nix/template (the flake's templates.default, and its nixosConfigurations): both hosts, with
     the shared cluster file, evaluate with no failed assertion and get the units of their role."""
     expr = f"""
       let
         lib = import {nixpkgs_lib};
-        hosts = (import ./nix/template/hosts.nix).hosts;
-        stand = import ./tests/nix/stand-ins.nix {{ inherit lib; }};
-        fake = name: {{ type = "derivation"; inherit name; outPath = "/nix/store/00000000000000000000000000000000-${{name}}"; }};
-        eval = host: (lib.evalModules {{
-          modules = [
-            stand
-            {{ options.nixpkgs.config = lib.mkOption {{ type = lib.types.attrs; default = {{ }}; }}; }}
-            (import ./modules/default.nix)
-            {{ services.dspark.package = fake "dspark-0.1.0";
-               services.dspark.runtimePackage = lib.mkOverride 900 (fake "dspark-runtime-0.28.0"); }}
-            ./nix/template/dspark-cluster.nix
-            host
-          ];
-        }}).config;
+{TEMPLATE_HOSTS}        eval = host: (nixos host).config;
       in lib.mapAttrs (_: host: let c = eval host; in {{
         failed = map (a: a.message) (lib.filter (a: !a.assertion) c.assertions);
         inherit (c) warnings;
@@ -159,20 +165,7 @@ def test_module_check_writes_each_example_hosts_units(nix_instantiate, nixpkgs_l
     expr = f"""
       let
         lib = import {nixpkgs_lib};
-        hosts = (import ./nix/template/hosts.nix).hosts;
-        fake = name: {{ type = "derivation"; inherit name; outPath = "/nix/store/00000000000000000000000000000000-${{name}}"; }};
-        nixos = host: lib.evalModules {{
-          modules = [
-            (import ./tests/nix/stand-ins.nix {{ inherit lib; }})
-            {{ options.nixpkgs.config = lib.mkOption {{ type = lib.types.attrs; default = {{ }}; }}; }}
-            (import ./modules/default.nix)
-            {{ services.dspark.package = fake "dspark-0.1.0";
-               services.dspark.runtimePackage = lib.mkOverride 900 (fake "dspark-runtime-0.28.0"); }}
-            ./nix/template/dspark-cluster.nix
-            host
-          ];
-        }};
-      in lib.mapAttrs (name: host: builtins.fromJSON (import ./nix/module-check.nix {{
+{TEMPLATE_HOSTS}      in lib.mapAttrs (name: host: builtins.fromJSON (import ./nix/module-check.nix {{
         inherit lib name;
         writeText = _: text: text;
         nixos = nixos host;
