@@ -30,15 +30,14 @@ MAX_NUM_SEQS = 12
 
 
 def _simulate_sm12x() -> None:
-    from vllm.platforms import current_platform
-    from vllm.platforms.interface import DeviceCapability
+    from kv_layout_checks import _simulate_sm12x as simulate_family
 
-    cls = type(current_platform)
-    cls.is_device_capability_family = staticmethod(lambda family: family == 120)
-    cls.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(12, 1))
+    from vllm.platforms import current_platform
+
+    simulate_family()
     # The managers take a handle on the platform's graph memory pool (a CUDA
     # object); nothing is captured here, so any token stands in for it.
-    cls.graph_pool_handle = staticmethod(lambda: object())
+    type(current_platform).graph_pool_handle = staticmethod(lambda: object())
 
 
 def _config():
