@@ -4,8 +4,8 @@ starts and says ok, warn or fail, what it saw and the fix.
 
   net.py        the fabric address on socket_ifname, the link, wireless, the default route;
                 the RDMA device, port and RoCE v2 GID; the kernel against data/roce_kernels.toml
-  host.py       the GPU and driver (NVML), free memory against the plan, swap and OOM killers,
-                the units' cache directories
+  host.py       the GPU and driver (NVML, nvidia_uvm loaded), free memory against the plan,
+                swap and OOM killers, the units' cache directories
   model_dir.py  config.json, the shards the index names, readable by the service user, whole
   peer.py       this node's identity (served in the agent's /state), its ports, the peers
 
@@ -83,6 +83,7 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
         return H.check_gpu(nvml, cluster.serving.gpus_per_node)
 
     add(_guard("gpu", gpu))
+    add(_guard("gpu.uvm", lambda: H.check_uvm(nvml, host.sys, host.proc, host.under_unit)))
     own = _guard_value(lambda: P.own_agent_state(node)) if host.peers else None
     running = None
     if own and own.get("vllm_pid"):

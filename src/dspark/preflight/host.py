@@ -1,5 +1,5 @@
-"""This host: the GPU and its driver (NVML), memory free against the plan's need per rank,
-swap and OOM killers, and the cache directories the units persist."""
+"""This host: the GPU and its driver (NVML, the nvidia_uvm module), memory free against the
+plan's need per rank, swap and OOM killers, and the cache directories the units persist."""
 
 from __future__ import annotations
 
@@ -98,6 +98,36 @@ def check_gpu(nvml: dict, gpus_per_node: int) -> list[Check]:
     return [ok("gpu", seen)]
 
 
+def kernel_module_loaded(name: str, sys: Path, proc: Path) -> bool:
+    """A module is loaded: /sys/module/NAME (every loaded module, built in with parameters too)
+    or its line in /proc/modules."""
+    if (sys / "module" / name).is_dir():
+        return True
+    try:
+        return any(line.split(" ", 1)[0] == name for line in (proc / "modules").read_text().splitlines())
+    except OSError:
+        return False
+
+
+def check_uvm(nvml: dict, sys: Path, proc: Path, under_unit: bool) -> list[Check]:
+    """gpu.uvm: CUDA needs nvidia_uvm (/dev/nvidia-uvm, the unified memory that GB10 serves
+    from). The units allow its device but cannot load it: ProtectKernelModules= and
+    NoNewPrivileges= (nvidia-modprobe is setuid) forbid that, so it must be loaded at boot."""
+    driver = nvml.get("library") is not None or kernel_module_loaded("nvidia", sys, proc)
+    if not driver:
+        return [ok("gpu.uvm", "not checked: no NVIDIA driver here (see gpu)")]
+    if kernel_module_loaded("nvidia_uvm", sys, proc):
+        return [ok("gpu.uvm", "nvidia_uvm is loaded")]
+    seen = (f"the NVIDIA driver is loaded but nvidia_uvm is not (neither {sys}/module/nvidia_uvm nor a line in "
+            f"{proc}/modules): CUDA cannot initialise without it")
+    fix = ("load it now and at boot: `modprobe nvidia_uvm` and `echo nvidia_uvm > /etc/modules-load.d/nvidia-uvm.conf` "
+           "(NixOS: boot.kernelModules = [ \"nvidia_uvm\" ])")
+    if under_unit:
+        return [fail("gpu.uvm", seen + "; this unit cannot load it (ProtectKernelModules=, NoNewPrivileges=)", fix)]
+    return [warn("gpu.uvm", seen + "; CUDA outside the units may load it through the setuid nvidia-modprobe, "
+                 "the dspark units cannot (ProtectKernelModules=, NoNewPrivileges=) and fail their check", fix)]
+
+
 # ------------------------------------------------------------------------------ memory
 def meminfo(proc: Path) -> dict[str, int]:
     """/proc/meminfo in bytes."""
@@ -142,6 +172,22 @@ def check_memory(need_bytes: int | None, why_no_plan: str, nvml: dict, proc: Pat
     return [ok("memory.free", seen)]
 
 
+def proc_hides_others(proc: Path) -> bool:
+    """`proc` is mounted with hidepid= (the units' ProtectProc=invisible): other users'
+    processes are not listed in it."""
+    try:
+        lines = (proc / "self" / "mountinfo").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        fields, rest = fields.split(), rest.split()
+        if len(fields) > 4 and fields[4] == str(proc) and rest[:1] == ["proc"]:
+            options = dict(o.partition("=")[::2] for o in (rest[2] if len(rest) > 2 else "").split(","))
+            return options.get("hidepid", "0") not in ("0", "off")
+    return False
+
+
 def check_swap_oom(proc: Path) -> list[Check]:
     out: list[Check] = []
     try:
@@ -166,7 +212,11 @@ def check_swap_oom(proc: Path) -> list[Check]:
             continue
         if comm in ("earlyoom", "systemd-oomd", "nohang"):
             killers.setdefault(comm, []).append(pid_dir.name)
-    if not killers:
+    if not killers and proc_hides_others(proc):
+        out.append(ok("memory.oom-killers", f"not seen: {proc} hides other users' processes here (hidepid=, the "
+                      "units' ProtectProc=invisible); `dspark check` outside the unit lists earlyoom, systemd-oomd "
+                      "or nohang"))
+    elif not killers:
         out.append(ok("memory.oom-killers", "no earlyoom, systemd-oomd or nohang running"))
     for comm, pids in sorted(killers.items()):
         fix = {
