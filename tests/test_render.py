@@ -56,7 +56,7 @@ def test_head_reproduces_the_seed_command_line(cluster):
     got = flags(launch.argv)
     want = flags(SEED_HEAD.split())
     want["--served-model-name"] = "deepseek-v4-flash"
-    want["--host"] = "0.0.0.0"
+    want["--host"] = "192.168.100.10"  # the API binds the fabric address unless told otherwise (issue 21)
     del want["--max-cudagraph-capture-size"]
     want.update({"--gpu-memory-utilization": "0.835", "--long-prefill-token-threshold": "1024",
                  "--cudagraph-capture-sizes": "6"})

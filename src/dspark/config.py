@@ -19,6 +19,7 @@ import textwrap
 import tomllib
 import types
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,13 @@ MAX_DEPTH = 8
 # Environment names: what a POSIX shell can assign and systemd's Environment= accepts.
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DAY_S = 86400.0
+# The shortest interval or timeout the supervisor takes: below it a loop spins (1e-300 s ran a
+# core flat out) and no HTTP answer or process exit can be waited for.
+MIN_SECONDS = 0.1
+# The longest single argument dspark puts on vLLM's command line (a path is at most 4096 bytes).
+MAX_ARG_CHARS = 4096
+# What a host name may be (RFC 1123 labels, 253 characters at most).
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 class ConfigError(Exception):
@@ -120,6 +128,11 @@ class ServingConfig:
     vllm_command: list[str] = _f(help="Command that runs vLLM's CLI on every node (argv prefix before 'serve').",
                                  example=["vllm"], factory=lambda: ["vllm"],
                                  source="vLLM's own CLI entry point (`vllm serve`)")
+    runtime_line: str = _f("v0.28.0", help="Runtime line: the vLLM release (and overlay) the nodes run; the "
+                                            "settings below are rendered to its flags, or refused.",
+                           example="v0.28.0",
+                           source="dspark's runtime lines (dspark/data/runtime_lines.toml); v0.28.0 is the "
+                                  "seed line, vLLM 0.28.0 with the whole overlay")
     tensor_parallel_size: int = _f(2, help="Tensor parallel size: nodes x GPUs per node.", example=2,
                                    bounds=(1, 1024),
                                    source=_BOTH + " (TP=2; TP=1 does not load on one node: NV_ERR_NO_MEMORY)")
@@ -223,11 +236,11 @@ class ServingConfig:
 @dataclass(frozen=True)
 class SupervisorConfig:
     ready_timeout_s: float = _f(1800.0, help="Give up (exit 'never ready') if vLLM is not serving by then.",
-                                example=1800.0, bounds=(0, DAY_S), positive=True)
+                                example=1800.0, bounds=(MIN_SECONDS, DAY_S))
     liveness_interval_s: float = _f(5.0, help="Seconds between the head's liveness rounds: a /metrics reading (progress while requests run or wait), and a real 1-token completion only while the engine is idle.",
-                                    example=5.0, bounds=(0, 3600.0), positive=True)
+                                    example=5.0, bounds=(MIN_SECONDS, 3600.0))
     liveness_timeout_s: float = _f(10.0, help="A liveness completion slower than this counts as failed.",
-                                   example=10.0, bounds=(0, 3600.0), positive=True)
+                                   example=10.0, bounds=(MIN_SECONDS, 3600.0))
     liveness_failures: int = _f(2, help="Consecutive failed liveness checks before the head gives up.", example=2,
                                 bounds=(1, 1000))
     stall_s: float = _f(
@@ -236,15 +249,21 @@ class SupervisorConfig:
                     "moving for this long is a stall (a wedged collective) and stops the pair. Above the "
                     "slowest engine step (an 8192-token prefill chunk takes seconds on two GB10 nodes at "
                     "about 2,000 prompt tok/s) and below vLLM's own 300 s step timeout.",
-        example=180.0, bounds=(0, DAY_S), positive=True)
+        example=180.0, bounds=(MIN_SECONDS, DAY_S))
     stop_grace_s: float = _f(30.0, help="Seconds vLLM gets after SIGTERM before SIGKILL.", example=30.0,
-                             bounds=(0, 3600.0), positive=True)
+                             bounds=(MIN_SECONDS, 3600.0))
+    drain_s: float = _f(
+        60.0, help="A planned stop of the serving head (SIGTERM or SIGINT: systemctl stop, Ctrl-C) lets the "
+                   "requests in flight finish for up to this long, turning new ones away (vLLM's "
+                   "--shutdown-timeout), then stops vLLM; 0 aborts them at once. A fault (vLLM died, a "
+                   "peer lost, liveness lost) never drains.",
+        example=60.0, bounds=(0, 3600.0))
     head_lost_s: float = _f(10.0, help="A serving worker leaves once the head's agent is unreachable this long.",
-                            example=10.0, bounds=(0, DAY_S), positive=True)
+                            example=10.0, bounds=(MIN_SECONDS, DAY_S))
     rendezvous_timeout_s: float = _f(900.0, help="A worker leaves if the head has not come up by then.",
-                                     example=900.0, bounds=(0, DAY_S), positive=True)
+                                     example=900.0, bounds=(MIN_SECONDS, DAY_S))
     worker_wait_timeout_s: float = _f(900.0, help="How long 'dspark wait-worker' waits for the worker.",
-                                      example=900.0, bounds=(0, DAY_S), positive=True)
+                                      example=900.0, bounds=(MIN_SECONDS, DAY_S))
 
 
 @dataclass(frozen=True)
@@ -263,7 +282,10 @@ class NodeConfig:
         False, help="Let socket_ifname be the interface of the default route (dspark check refuses it otherwise: "
                     "the fabric belongs on the dedicated link, not the management or internet one).", example=False)
     role: str | None = _f(None, help="Optional check: 'head' (rank 0) or 'worker'.", example="head")
-    api_host: str = _f("0.0.0.0", help="Address the head's API binds.", example="0.0.0.0")
+    api_host: str | None = _f(
+        None, help="Address the head's API binds (default: the fabric address, which only the nodes reach; "
+                   "\"127.0.0.1\": this host only). \"0.0.0.0\" or \"::\" opens it to every network of the host: "
+                   "set an API key then (dspark check warns without one).", example="127.0.0.1")
     api_port: int = _f(8888, help="Head's OpenAI-compatible API port.", example=8888)
     master_port: int = _f(25000, help="Rendezvous port (read from the head's entry).", example=25000)
     agent_host: str | None = _f(None, help="Address the node agent binds (default: the fabric address).",
@@ -277,6 +299,10 @@ class NodeConfig:
         return self.rank == 0
 
     @property
+    def api_bind(self) -> str:
+        return self.api_host or self.address
+
+    @property
     def agent_bind(self) -> str:
         return self.agent_host or self.address
 
@@ -286,7 +312,7 @@ class NodeConfig:
 
     @property
     def api_url(self) -> str:
-        host = self.address if self.api_host in ("0.0.0.0", "::") else self.api_host
+        host = self.address if self.api_bind in ("0.0.0.0", "::") else self.api_bind
         return f"http://{_host_for_url(host)}:{self.api_port}"
 
 
@@ -529,10 +555,11 @@ def check(c: Cluster) -> list[str]:
             and sup.stall_s < 2 * sup.liveness_interval_s:
         p.append(f"supervisor.stall_s: must be at least twice liveness_interval_s ({sup.liveness_interval_s:g} s): "
                  f"a stall is seen by comparing readings taken an interval apart; got {sup.stall_s:g}")
+    p += _runtime_line_problems(s)
 
     # The cluster file is world-readable (and in the Nix store on NixOS): no secrets in it
     # (dspark.secret_policy says what counts as one).
-    from .secret_policy import is_secret_env, secret_args
+    from .secret_policy import is_secret_env
 
     for where, env in [("serving.env", s.env)] + [(f"nodes ({n.name}).env", n.env) for n in c.nodes]:
         for key in env:
@@ -542,32 +569,43 @@ def check(c: Cluster) -> list[str]:
             elif is_secret_env(key):
                 p.append(f"{where}.{key}: a secret does not belong in the cluster file; put it in the "
                          "service's environment file (DSPARK_API_KEY=...) or the 'api-key' credential")
-    for field, args in (("serving.extra_args", s.extra_args), ("serving.vllm_command", s.vllm_command)):
-        for flag in secret_args(args):
-            p.append(f"{field}: {flag} takes a secret, which does not belong in the cluster file nor on "
-                     "vLLM's command line (ps shows it); the API key goes in the 'api-key' credential or "
-                     "DSPARK_API_KEY in the service's environment file")
-    names = [n.name for n in c.nodes]
-    for dup in sorted({x for x in names if names.count(x) > 1}):
+    p += _check_command_line(c)
+    # Counted once each (a count per node was quadratic: 15,000 nodes took 24 s).
+    names: dict[str, int] = {}
+    by_rank: dict[int, list[str]] = {}
+    for n in c.nodes:
+        names[n.name] = names.get(n.name, 0) + 1
+        by_rank.setdefault(n.rank, []).append(n.name)
+    for dup in sorted(k for k, v in names.items() if v > 1):
         p.append(f"nodes: the name {dup!r} is used by more than one node; give each node its own name")
-    ranks = [n.rank for n in c.nodes]
-    for dup in sorted({r for r in ranks if ranks.count(r) > 1}):
-        who = ", ".join(n.name for n in c.nodes if n.rank == dup)
-        p.append(f"nodes: rank {dup} is given to more than one node ({who}); ranks must be unique")
-    if sorted(set(ranks)) != list(range(len(c.nodes))):
-        p.append(f"nodes: ranks must be 0..{len(c.nodes) - 1} (one per node), got {sorted(ranks)}")
+    for dup in sorted(r for r, who in by_rank.items() if len(who) > 1):
+        p.append(f"nodes: rank {dup} is given to more than one node ({', '.join(by_rank[dup])}); ranks must be unique")
+    if sorted(by_rank) != list(range(len(c.nodes))):
+        ranks = sorted(n.rank for n in c.nodes)
+        shown = ", ".join(map(str, ranks[:20])) + (", ..." if len(ranks) > 20 else "")
+        p.append(f"nodes: ranks must be 0..{len(c.nodes) - 1} (one per node), got [{shown}]")
     if s.tensor_parallel_size * s.pipeline_parallel_size != len(c.nodes) * s.gpus_per_node:
         p.append(f"serving.tensor_parallel_size: {s.tensor_parallel_size} x pipeline_parallel_size "
                  f"{s.pipeline_parallel_size} must equal nodes ({len(c.nodes)}) x gpus_per_node "
                  f"({s.gpus_per_node}) = {len(c.nodes) * s.gpus_per_node}")
-    ports_by_host: dict[str, list[tuple[int, str]]] = {}
+    # Ports are grouped by the node's address, parsed (::1 and 0:0:0:0:0:0:0:1 are one host):
+    # one machine, one port space (binds to 0.0.0.0 included); nodes sharing an address share a machine.
+    ports: dict[tuple[Any, int], str] = {}
     for i, n in enumerate(c.nodes):
-        where = f"nodes[{i}] ({n.name})"
-        try:
-            ipaddress.ip_address(n.address)
-        except ValueError:
-            p.append(f"{where}.address: {n.address!r} is not an IP address; write this node's fabric IP, "
-                     "e.g. address = \"192.168.100.10\"")
+        why = _name_fault(n.name)
+        shown = n.name if why is None else ascii(n.name)[1:-1]  # an invisible character shown as \\u....
+        where = f"nodes[{i}] ({shown})"
+        if why:
+            p.append(f"nodes[{i}].name: {why}, got {ascii(n.name)}; write e.g. name = \"spark-{chr(97 + i % 26)}\"")
+        addr = _node_address(n.address)
+        if isinstance(addr, str):
+            p.append(f"{where}.address: {addr}; write this node's fabric IP, e.g. address = \"192.168.100.10\"")
+        for key in ("agent_host", "api_host"):
+            value = getattr(n, key)
+            if value is not None and not _is_host(value):
+                p.append(f"{where}.{key}: {ascii(value)} is neither an IP address nor a host name (letters, "
+                         f"digits, '-' and '.'); write e.g. {key} = \"{n.address if key == 'agent_host' else '127.0.0.1'}\" "
+                         "or leave it out (the fabric address)")
         if n.role is not None and n.role not in ("head", "worker"):
             p.append(f"{where}.role: must be 'head' or 'worker', got {n.role!r}")
         elif n.role == "head" and n.rank != 0:
@@ -575,8 +613,10 @@ def check(c: Cluster) -> list[str]:
                      "set rank = 0 here (and give the other node rank 1)")
         elif n.role == "worker" and n.rank == 0:
             p.append(f"{where}.role: rank 0 is the head; set role = \"head\" or give this node another rank")
-        if n.gid_index is not None and n.gid_index != "auto" and not n.gid_index.isdigit():
-            p.append(f"{where}.gid_index: must be a number or \"auto\", got {n.gid_index!r}")
+        # ASCII digits only: str.isdigit() also takes "²", "٣" and "３", which NCCL cannot read.
+        if n.gid_index is not None and n.gid_index != "auto" and not re.fullmatch(r"[0-9]{1,5}", n.gid_index):
+            p.append(f"{where}.gid_index: must be a number or \"auto\" (a number in ASCII digits, e.g. \"3\"), "
+                     f"got {ascii(n.gid_index)}")
         if n.gid_index == "auto" and _is_ipv6(n.address):
             p.append(f"{where}.gid_index: \"auto\" finds the RoCEv2 GID of an IPv4 address, and {n.address} is "
                      "IPv6; give the GID index as a number (show_gids lists them)")
@@ -589,21 +629,162 @@ def check(c: Cluster) -> list[str]:
             port = getattr(n, key)
             if not 0 < port < 65536:
                 p.append(f"{where}.{key}: {port} is not a TCP port (1..65535)")
-        # Ports are grouped by the node's address: one machine, one port space (binds to
-        # 0.0.0.0 included); nodes sharing an address share a machine.
         used = [("agent_port", n.agent_port)]
         if n.is_head:
             used += [("api_port", n.api_port), ("master_port", n.master_port)]
+        host = addr if not isinstance(addr, str) else n.address
         for key, port in used:
-            ports_by_host.setdefault(n.address, []).append((port, f"{n.name}.{key}"))
-    for host, entries in ports_by_host.items():
-        seen: dict[int, str] = {}
-        for port, who in entries:
-            if port in seen:
-                p.append(f"port {port} is used twice on host {host}: {seen[port]} and {who}; "
+            who = f"{shown}.{key}"
+            if (host, port) in ports:
+                p.append(f"port {port} is used twice on host {n.address}: {ports[host, port]} and {who}; "
                          "give one of them another port")
-            seen[port] = who
+            else:
+                ports[host, port] = who
     return p
+
+
+# The options dspark writes on vLLM's command line from the fields (render.vllm_argv; the test
+# test_config_refusals.test_every_flag_render_writes_is_owned keeps the two in step), with the
+# field to set instead. argparse takes `--opt=v`, `--opt_name` (vLLM reads _ as -), an
+# unambiguous abbreviation (`--node-r`), `--opt.key=v` for a JSON option, and `--no-opt` for a
+# switch: each of those is the same option.
+DSPARK_FLAGS = {
+    "--model": "model.path", "--served-model-name": "model.served_name",
+    "--trust-remote-code": "model.trust_remote_code",
+    "--host": "the head's api_host", "--port": "the head's api_port",
+    "--tensor-parallel-size": "serving.tensor_parallel_size", "-tp": "serving.tensor_parallel_size",
+    "--pipeline-parallel-size": "serving.pipeline_parallel_size", "-pp": "serving.pipeline_parallel_size",
+    "--kv-cache-dtype": "serving.kv_cache_dtype", "--block-size": "serving.block_size",
+    "--max-model-len": "serving.max_model_len", "--max-num-seqs": "serving.max_num_seqs",
+    "--max-num-batched-tokens": "serving.max_num_batched_tokens",
+    "--long-prefill-token-threshold": "serving.long_prefill_token_threshold",
+    "--max-cudagraph-capture-size": "serving.max_cudagraph_capture_size",
+    "--cudagraph-capture-sizes": "serving.cudagraph_capture_sizes",
+    "--kv-cache-memory-bytes": "serving.kv_cache_memory_bytes",
+    "--gpu-memory-utilization": "serving.gpu_memory_utilization",
+    "--load-format": "serving.load_format", "--moe-backend": "serving.moe_backend",
+    "--enable-prefix-caching": "serving.enable_prefix_caching", "--async-scheduling": "serving.async_scheduling",
+    "--enable-chunked-prefill": "serving.enable_chunked_prefill",
+    "--skip-tokenizer-init": "serving.skip_tokenizer_init",
+    "--speculative-config": "serving.speculative_config",
+    "--distributed-executor-backend": "nothing (dspark runs vLLM's mp backend on every node)",
+    "--nnodes": "the [[nodes]] list", "-n": "the [[nodes]] list",
+    "--node-rank": "the node's rank", "-r": "the node's rank",
+    "--master-addr": "the head's address", "--master-port": "the head's master_port",
+    "--headless": "the node's rank (every rank but 0 runs headless)",
+}
+
+
+def owned_flag(arg: str) -> str | None:
+    """The DSPARK_FLAGS option `arg` sets (in any spelling argparse takes), or None."""
+    if not arg.startswith("-") or arg == "-" or arg[1:2].isdigit():
+        return None
+    dashes = "--" if arg.startswith("--") else "-"
+    name = arg[len(dashes):].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    if dashes == "-":
+        return "-" + name if "-" + name in DSPARK_FLAGS else None
+    if name.startswith("no-") and "--" + name[3:] in DSPARK_FLAGS:
+        name = name[3:]
+    if "--" + name in DSPARK_FLAGS:
+        return "--" + name
+    if len(name) >= 3:  # argparse's abbreviations (vLLM's parser keeps allow_abbrev on)
+        hits = [f for f in DSPARK_FLAGS if f.startswith("--" + name)]
+        if hits:
+            return hits[0]
+    return None
+
+
+def _check_command_line(c: Cluster) -> list[str]:
+    """What dspark puts on vLLM's command line: no secret (ps shows it), nothing vLLM reads
+    as an option where a value belongs, no option dspark sets itself, no argument too long."""
+    from .secret_policy import secret_args, secret_keys
+
+    p: list[str] = []
+    m, s = c.model, c.serving
+    for key in ("path", "served_name"):
+        value = getattr(m, key)
+        if value.startswith("-"):  # the value itself is not echoed: it may be a secret
+            p.append(f"model.{key}: starts with '-', which vLLM would read as an option (and ps would show); "
+                     f"write a {'directory' if key == 'path' else 'name'}, e.g. {key} = "
+                     f"{_toml_value(dataclasses.fields(ModelConfig)[0 if key == 'path' else 1].metadata['example'])}")
+        elif not value:
+            p.append(f"model.{key}: empty; write e.g. {key} = \"deepseek-v4-flash\"" if key == "served_name"
+                     else "model.path: empty; write the model directory, e.g. path = \"/var/lib/dspark/models/x\"")
+        if len(value) > MAX_ARG_CHARS:
+            p.append(f"model.{key}: {len(value)} characters, longer than {MAX_ARG_CHARS}")
+    if not s.vllm_command or not s.vllm_command[0]:
+        p.append("serving.vllm_command: must name vLLM's CLI, e.g. vllm_command = [\"vllm\"] or "
+                 "[\"/opt/runtime/bin/vllm\"]")
+    for field, args in (("serving.extra_args", s.extra_args), ("serving.vllm_command", s.vllm_command)):
+        for flag in secret_args(args):
+            p.append(f"{field}: {flag} takes a secret, which does not belong in the cluster file nor on "
+                     "vLLM's command line (ps shows it); the API key goes in the 'api-key' credential or "
+                     "DSPARK_API_KEY in the service's environment file")
+        long = [a for a in args if len(a) > MAX_ARG_CHARS]
+        if long:
+            p.append(f"{field}: an argument of {len(long[0])} characters, longer than {MAX_ARG_CHARS}; vLLM's "
+                     "options and paths are shorter")
+    for arg in s.extra_args:
+        flag = owned_flag(arg)
+        if flag:
+            shown = arg.split("=", 1)[0]
+            p.append(f"serving.extra_args: {shown} sets {flag}, which dspark writes itself from "
+                     f"{DSPARK_FLAGS[flag]}; set that instead and remove {shown} from extra_args")
+    if s.speculative_config is not None:
+        for where in secret_keys(s.speculative_config, "serving.speculative_config"):
+            p.append(f"{where}: a secret does not belong in the cluster file nor on vLLM's command line "
+                     "(speculative_config is passed as JSON in --speculative-config); remove it")
+    return p
+
+
+def _node_address(address: str) -> Any:
+    """The node's address parsed, or why it cannot be a node's address."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return f"{ascii(address)} is not an IP address"
+    if ip.is_unspecified:
+        return f"{address} is the unspecified address (any), which no peer can reach"
+    if ip.is_multicast:
+        return f"{address} is a multicast address, not one host's"
+    if ip.version == 4 and ip.is_reserved:  # 240.0.0.0/4, 255.255.255.255 (broadcast) included
+        return f"{address} is reserved or the broadcast address, not one host's"
+    return ip
+
+
+def _is_host(value: str) -> bool:
+    """An IP address or a host name: nothing a URL or a shell would read more into."""
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        pass
+    name = value[:-1] if value.endswith(".") else value
+    return 0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in name.split("."))
+
+
+def _name_fault(name: str) -> str | None:
+    """Why a node name cannot be used: it names the node in logs, units, the dashboard and
+    --node, so it is printable and has nothing invisible (zero-width, bidi, control, spaces)."""
+    if not name:
+        return "empty"
+    if len(name) > 253:
+        return f"{len(name)} characters (at most 253: a host name's length)"
+    for ch in name:
+        if not ch.isprintable() or ch.isspace() or unicodedata.category(ch) in ("Cf", "Cc", "Co", "Cn", "Zs", "Zl", "Zp"):
+            return f"holds {unicodedata.name(ch, 'U+%04X' % ord(ch))} (U+{ord(ch):04X}), an invisible, space or control character"
+    return None
+
+
+def _runtime_line_problems(s: ServingConfig) -> list[str]:
+    """The runtime line exists and honours the settings (dspark.runtime_lines says how each line
+    names them, and why it refuses one)."""
+    from . import runtime_lines
+
+    lines = runtime_lines.load()
+    if s.runtime_line not in lines.lines:
+        return [runtime_lines.unknown_line_message(s.runtime_line, lines)]
+    return runtime_lines.refusals(s.runtime_line, {k: getattr(s, k) for k in runtime_lines.SETTINGS}, lines)
 
 
 def check_ranges(c: Cluster) -> list[str]:
@@ -626,7 +807,8 @@ def check_ranges(c: Cluster) -> list[str]:
             if ok:
                 continue
             if f.name.endswith("_s"):
-                what = f"a positive, finite number of seconds (at most {hi:g})"
+                what = (f"a positive, finite number of seconds (at most {hi:g})" if positive or not lo else
+                        f"a positive, finite number of seconds, at least {lo:g} and at most {hi:g}")
             elif isinstance(value, int):
                 what = f"a whole number in [{lo:g}, {hi:g}]"
             else:
@@ -769,7 +951,7 @@ def template() -> str:
         "nodes": [
             {"name": PLACEHOLDER + "-head-hostname", "rank": 0, "role": "head", "address": PLACEHOLDER,
              "socket_ifname": PLACEHOLDER, "rdma_device": PLACEHOLDER, "gid_index": "auto",
-             "api_host": "0.0.0.0", "api_port": 8888, "master_port": 25000, "agent_port": 8890},
+             "api_port": 8888, "master_port": 25000, "agent_port": 8890},
             {"name": PLACEHOLDER + "-worker-hostname", "rank": 1, "role": "worker", "address": PLACEHOLDER,
              "socket_ifname": PLACEHOLDER, "rdma_device": PLACEHOLDER, "gid_index": "auto", "agent_port": 8890},
         ],

@@ -6,6 +6,7 @@ import json
 import shlex
 from dataclasses import dataclass
 
+from . import runtime_lines
 from .config import ENV_NAME, Cluster, NodeConfig
 from .secret_policy import REDACTED, redact_args, redact_env
 
@@ -42,9 +43,19 @@ class Launch:
         return " \\\n".join(lines + [words[0]] + ["  " + w for w in words[1:]]) + "\n"
 
 
+def line_settings(cluster: Cluster) -> runtime_lines.Rendered:
+    """The cluster's line-dependent settings in its runtime line's names (and the environment the
+    line adds for them); raises runtime_lines.LineRefusal for a setting the line cannot honour."""
+    s = cluster.serving
+    line = runtime_lines.load().get(s.runtime_line)
+    return runtime_lines.render_settings(line, {k: getattr(s, k) for k in runtime_lines.SETTINGS})
+
+
 def node_env(cluster: Cluster, node: NodeConfig, gid_index: str | None = None) -> dict[str, str]:
-    """Environment for vLLM on `node`: the shared env, the fabric settings, the node's own env."""
-    env = dict(cluster.serving.env)
+    """Environment for vLLM on `node`: what the runtime line adds for the settings, the shared
+    env, the fabric settings, the node's own env (each later one wins)."""
+    env = dict(line_settings(cluster).env)
+    env.update(cluster.serving.env)
     env["VLLM_HOST_IP"] = node.address
     if node.socket_ifname:
         for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
@@ -61,17 +72,18 @@ def node_env(cluster: Cluster, node: NodeConfig, gid_index: str | None = None) -
 def vllm_argv(cluster: Cluster, node: NodeConfig) -> list[str]:
     m, s = cluster.model, cluster.serving
     head = cluster.head
+    named = line_settings(cluster).values  # kv_cache_dtype, moe_backend in the line's names
     argv = [*s.vllm_command, "serve", m.path, "--served-model-name", m.served_name]
     if m.trust_remote_code:
         argv.append("--trust-remote-code")
     if node.is_head:
-        argv += ["--host", node.api_host, "--port", str(node.api_port)]
+        argv += ["--host", node.api_bind, "--port", str(node.api_port)]
     argv += [
         "--tensor-parallel-size", str(s.tensor_parallel_size),
         "--pipeline-parallel-size", str(s.pipeline_parallel_size),
     ]
     optional = [
-        ("--kv-cache-dtype", s.kv_cache_dtype),
+        ("--kv-cache-dtype", named["kv_cache_dtype"]),
         ("--block-size", s.block_size),
         ("--max-model-len", s.max_model_len),
         ("--max-num-seqs", s.max_num_seqs),
@@ -85,7 +97,7 @@ def vllm_argv(cluster: Cluster, node: NodeConfig) -> list[str]:
         ("--kv-cache-memory-bytes", s.kv_cache_memory_bytes),
         ("--gpu-memory-utilization", None if s.kv_cache_memory_bytes is not None else s.gpu_memory_utilization),
         ("--load-format", s.load_format),
-        ("--moe-backend", s.moe_backend),
+        ("--moe-backend", named["moe_backend"]),
     ]
     for flag, value in optional:
         if value is not None:

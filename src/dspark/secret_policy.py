@@ -11,6 +11,8 @@ its environment, from the systemd credential `api-key` or the service's environm
   OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY, but not TOKENIZERS_PARALLELISM.
 - A command-line flag is a secret when its name, split at `-`, ends the same way: --api-key,
   --hf-token, `--api-key=VALUE` (but not --max-num-batched-tokens or --tokenizer).
+- A key of a table dspark passes to vLLM as JSON (`speculative_config`) is a secret by the
+  environment rule, with `-` read as `_`: api_key, api-key, hf_token.
 """
 
 from __future__ import annotations
@@ -40,6 +42,28 @@ def is_secret_flag(arg: str) -> bool:
         return False
     name = arg.lstrip("-").split("=", 1)[0]
     return _ends_secret(name.lower().replace("_", "-").split("-"))
+
+
+def is_secret_key(name: str) -> bool:
+    """A key of a table passed to vLLM (speculative_config): `api_key`, `api-key`, `hf_token`."""
+    return is_secret_env(name.replace("-", "_"))
+
+
+def secret_keys(value, where: str, depth: int = 0) -> list[str]:
+    """Where a table nested in tables and lists has a secret key (their paths, never the values)."""
+    if depth > 64:
+        return []
+    out: list[str] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and is_secret_key(k):
+                out.append(f"{where}.{k}")
+            else:
+                out += secret_keys(v, f"{where}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += secret_keys(v, f"{where}[{i}]", depth + 1)
+    return out
 
 
 def redact_args(args: list[str]) -> list[str]:

@@ -121,6 +121,8 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
     add(_guard("memory", lambda: H.check_swap_oom(host.proc)))
     add(_guard("cache", lambda: H.check_caches(host.environ, host.under_unit)))
     add(_guard("port", lambda: P.check_ports(cluster, node, host.proc, own)))
+    if node.is_head:
+        add(_guard("api.access", lambda: P.check_api_access(node, host.environ)))
     identity = host.identity
     if identity is None:
         identity = _guard_value(lambda: P.local_identity(cluster)) or {}

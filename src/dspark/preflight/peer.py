@@ -205,7 +205,7 @@ def node_ports(cluster: Cluster, node: NodeConfig) -> list[tuple[str, str, int]]
     """(what, bind address, port) this node's processes listen on."""
     out = [("agent_port", node.agent_bind, node.agent_port)]
     if node.is_head:
-        out += [("master_port", node.address, node.master_port), ("api_port", node.api_host, node.api_port)]
+        out += [("master_port", node.address, node.master_port), ("api_port", node.api_bind, node.api_port)]
     return out
 
 
@@ -240,6 +240,33 @@ def check_ports(cluster: Cluster, node: NodeConfig, proc: Path, own_state: dict 
         out.append(fail(name, f"{host}:{port} is in use by {who}",
                         f"stop that process, or give node {node.name!r} another {what}"))
     return out
+
+
+def check_api_access(node: NodeConfig, environ) -> list[Check]:
+    """Who can reach the head's API: closed (the fabric address, loopback) or guarded by an API
+    key is ok; bound wider without a key (in this environment: DSPARK_API_KEY, VLLM_API_KEY,
+    the 'api-key' credential or DSPARK_API_KEY_FILE) is a warn saying how to close it."""
+    from ..credentials import API_KEY_FILE_ENV, read_api_key
+
+    bind, port = node.api_bind, node.api_port
+    try:
+        ip = ipaddress.ip_address(bind)
+    except ValueError:
+        ip = None
+    if bind == node.address:
+        return [ok("api.access", f"the API binds the fabric address {bind} only: the nodes reach it, other "
+                                 "networks do not")]
+    if ip is not None and ip.is_loopback:
+        return [ok("api.access", f"the API binds {bind} (loopback): only this host reaches it")]
+    wide = "every interface of this host" if ip is not None and ip.is_unspecified else f"{bind}, not the fabric address"
+    if read_api_key(dict(environ)) or environ.get(API_KEY_FILE_ENV):
+        return [ok("api.access", f"the API binds {wide}; clients need the API key")]
+    return [warn("api.access", f"the API is open: it binds {wide} (port {port}) and no API key is set, so "
+                               "anyone who reaches this host can use the model",
+                 f"bind it to the fabric address (remove api_host from node {node.name!r}) or to loopback "
+                 "(api_host = \"127.0.0.1\"), or set an API key: DSPARK_API_KEY in the service's environment "
+                 "file, or services.dspark.apiKeyFile on NixOS (this check sees a key only in its own "
+                 "environment; the units' `dspark serve --check` runs with it)")]
 
 
 # ------------------------------------------------------------------------------ peers
