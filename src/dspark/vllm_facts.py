@@ -25,6 +25,9 @@ LOG_STAGES: tuple[tuple[str, str], ...] = (
     ("Starting vLLM server on", "warming"),
 )
 STAGE_ORDER = ("starting", "rendezvous", "loading", "warming")
+# The API server logs this from its SIGINT/SIGTERM handler alone (entrypoints/launcher.py): a
+# stop someone asked for, not an engine that died (that ends the server without it).
+LOG_SHUTDOWN_SIGNALLED = "[shutdown] API server: shutdown triggered"
 
 # vLLM's own report of its KV capacity, e.g. "GPU KV cache size: 123,456 tokens".
 KV_CACHE_TOKENS_LINE = "KV cache size"

@@ -27,6 +27,7 @@ from typing import Callable, TextIO
 from . import vllm_facts
 from .notify import child_env
 from .render import Launch
+from .vllm_log import ShutdownLog
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_DEATH_SIGNAL = signal.SIGKILL  # a SIGTERM starts vLLM's graceful shutdown, which waits on clients
@@ -127,6 +128,7 @@ class VllmProcess:
         self._swept = False
         self.stage = "starting"
         self.version: str | None = None
+        self.log_filter = ShutdownLog()  # per run: vLLM's abort traceback on a requested stop, one line
 
     @property
     def pid(self) -> int | None:
@@ -158,17 +160,23 @@ class VllmProcess:
             self.reaper = None
         finally:
             os.close(r)
-        threading.Thread(target=self._pump, args=(self.proc.stdout,), name="vllm-log", daemon=True).start()
+        self.log_filter = ShutdownLog()
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.log_filter), name="vllm-log",
+                         daemon=True).start()
 
-    def _pump(self, stream) -> None:
+    def _pump(self, stream, log_filter: ShutdownLog) -> None:
         """Copy vLLM's log to ours (the journal) and note the stage each line announces."""
         out = self.out or sys.stdout
         for line in stream:
-            out.write(line)
+            for kept in log_filter.feed(line):
+                out.write(kept)
             out.flush()
             self.stage = next_stage(line, self.stage)
             if self.version is None:
                 self.version = version_in(line)
+        for kept in log_filter.flush():
+            out.write(kept)
+        out.flush()
 
     def poll(self) -> int | None:
         """vLLM's exit code once it has exited, and then its group swept (once): its engine and
