@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import ipaddress
 import math
 import os
@@ -420,12 +421,17 @@ def _node_examples(i: int) -> dict[str, Any]:
             "agent_host": f"192.168.100.{10 + i % 240}", "role": "head" if i == 0 else "worker"}
 
 
+@functools.cache
+def _declared(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A section's type hints and fields, worked out once (per node they made validation slow)."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
 def _build(cls: type, table: Any, where: str, problems: list[str], examples: dict[str, Any] | None = None) -> Any:
     if not isinstance(table, dict):
         problems.append(f"{where}: expected a table ([{where}]), got {_toml_value_safe(table)}")
         return None
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints, fields = _declared(cls)
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         if key not in fields:
@@ -672,6 +678,7 @@ DSPARK_FLAGS = {
     "--node-rank": "the node's rank", "-r": "the node's rank",
     "--master-addr": "the head's address", "--master-port": "the head's master_port",
     "--headless": "the node's rank (every rank but 0 runs headless)",
+    "--shutdown-timeout": "supervisor.drain_s",
 }
 
 
