@@ -72,14 +72,30 @@ def cluster_settings(cluster) -> dict:
     return {"cluster_file": str(cluster.source), "serving": serving}
 
 
+def without_userinfo(url: str) -> tuple[str, bool]:
+    """The URL without a `user:password@` part (reports are world-readable; vLLM takes its key
+    as a bearer token, never from the URL), and whether it had one."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url, False
+    authority, slash, path = rest.partition("/")
+    if "@" not in authority:
+        return url, False
+    return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}", True
+
+
 def resolve_target(config_path: Path | None, url: str | None, model: str | None, timeout: float):
     from ..supervisor import read_api_key
     from .client import Target
 
     token = read_api_key()
     if url:
+        url, had_userinfo = without_userinfo(url)
         if not url.startswith(("http://", "https://")):
             fail(f"--url must start with http:// or https://, not {url!r}")
+        if had_userinfo:
+            click.echo("bench: the user name and password in --url are left out (not sent, not recorded); "
+                       "vLLM takes the API key as a bearer token: set DSPARK_API_KEY", err=True)
         return Target(url=url.rstrip("/"), model=model, token=token, timeout_s=timeout), {}
     from ..config import DEFAULT_CONFIG_PATH
     from ..cli import load_cluster
