@@ -15,7 +15,7 @@ def decode_report(**spec) -> Report:
 
 
 @pytest.mark.parametrize("spec, named", [({"input_len": 64}, "input_len 128 vs 64"),
-                                         ({"rounds": 2}, "rounds 1 vs 2"), ({"seed": 3}, "seed 0 vs 3")])
+                                         ({"rounds": 2}, "rounds 4 vs 2"), ({"seed": 3}, "seed 0 vs 3")])
 def test_compare_names_the_decode_parameter_that_differs(spec, named):
     with pytest.raises(compare.CompareRefused) as e:
         compare.check_comparable(decode_report(), decode_report(**spec))

@@ -89,8 +89,9 @@ def test_exact_prompt_lengths_reach_the_server(local_pair):
 
 
 def test_prefill_reports_reproduce_and_compare(local_pair, tmp_path):
+    # Without their per-run cache salt, so the second run meets the first one's cached blocks.
     args = ["bench", "prefill", "--url", local_pair.api_url, "--lengths", "64,128,512", "--trials", "2",
-            "--seed", "7", "-o", str(tmp_path), "--quiet"]
+            "--seed", "7", "-o", str(tmp_path), "--quiet", "--shared-prefix-cache"]
     a = run_dspark(*args, "--label", "a", timeout=180)
     assert a.returncode == 0, a.stderr
     assert a.stdout == ""  # --quiet

@@ -114,6 +114,10 @@ def server_options(f):
     f = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary; errors only.")(f)
     f = click.option("--request-timeout", type=float, default=600.0, show_default=True,
                      help="Seconds one request may take, from sending it to the end of its stream.")(f)
+    f = click.option("--shared-prefix-cache", is_flag=True,
+                     help="Send no per-run cache salt: prompts an earlier run with the same seed sent come "
+                          "from the server's prefix cache (reported as hits). By default every run salts its "
+                          "requests (vLLM's cache_salt), so a rerun on the same server measures afresh.")(f)
     f = click.option("--seed", type=int, default=0, show_default=True,
                      help="Prompt seed: runs with the same seed send identical prompts.")(f)
     f = click.option("--label", default="run", show_default=True,
@@ -199,7 +203,8 @@ def bench(ctx: click.Context) -> None:
               help="Exact input lengths in tokens, comma-separated (K = 1024). Default: those of 1K,2K,4K,8K,16K,32K "
                    "that fit the server's max_model_len (a length you give that does not fit is refused).")
 @click.option("--trials", type=int, default=3, show_default=True, help="Measured trials per length (medians).")
-def prefill_cmd(config_path, url, model, out_dir, label, seed, request_timeout, quiet, lengths, trials) -> None:
+def prefill_cmd(config_path, url, model, out_dir, label, seed, shared_prefix_cache, request_timeout, quiet, lengths,
+                trials) -> None:
     """Prefill speed at exact input lengths: client TTFT and input tok/s, server prefill tok/s.
 
     One warm-up request, then per length one excluded pass and N trials, each with a fresh
@@ -209,9 +214,11 @@ def prefill_cmd(config_path, url, model, out_dir, label, seed, request_timeout, 
     from .prefill import PrefillSpec
 
     if lengths is None:
-        spec = PrefillSpec(trials=trials, seed=seed, label=label, fit_to_server=True)
+        spec = PrefillSpec(trials=trials, seed=seed, label=label, fit_to_server=True,
+                           fresh_prefix_cache=not shared_prefix_cache)
     else:
-        spec = PrefillSpec(lengths=parse_sizes(lengths, "--lengths"), trials=trials, seed=seed, label=label)
+        spec = PrefillSpec(lengths=parse_sizes(lengths, "--lengths"), trials=trials, seed=seed, label=label,
+                           fresh_prefix_cache=not shared_prefix_cache)
     if trials < 1:
         fail("--trials must be at least 1")
     _run("prefill", spec, config_path, url, model, out_dir, request_timeout, quiet)
@@ -223,18 +230,19 @@ def prefill_cmd(config_path, url, model, out_dir, label, seed, request_timeout, 
 @click.option("--output-len", type=int, default=512, show_default=True,
               help="Output tokens per request (exact: ignore_eos).")
 @click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens per request.")
-@click.option("--rounds", type=int, default=1, show_default=True,
-              help="Requests per level = concurrency x rounds.")
+@click.option("--rounds", type=int, default=4, show_default=True,
+              help="Requests per level = concurrency x rounds (at least 2 for the throughput's standard error).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="Sampling temperature.")
-def decode_cmd(config_path, url, model, out_dir, label, seed, request_timeout, quiet, concurrency, output_len,
-               input_len, rounds, temperature) -> None:
+def decode_cmd(config_path, url, model, out_dir, label, seed, shared_prefix_cache, request_timeout, quiet, concurrency,
+               output_len, input_len, rounds, temperature) -> None:
     """Decode speed over a concurrency sweep: aggregate and per-stream tok/s, TTFT and ITL
     percentiles, speculative acceptance when the server reports it."""
     from .client import BenchError
     from .decode import DecodeSpec
 
     spec = DecodeSpec(concurrency=parse_sizes(concurrency, "--concurrency"), output_len=output_len,
-                      input_len=input_len, rounds=rounds, seed=seed, temperature=temperature, label=label)
+                      input_len=input_len, rounds=rounds, seed=seed, temperature=temperature, label=label,
+                      fresh_prefix_cache=not shared_prefix_cache)
     try:
         spec.check()
     except BenchError as e:

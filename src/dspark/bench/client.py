@@ -7,6 +7,7 @@ tokens than asked for, a stream that never ends) is a BenchError that says so.""
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -162,10 +163,18 @@ def _count(value, what: str, where: str) -> int | None:
     return value
 
 
+def new_cache_salt() -> str:
+    """A run's prefix-cache salt: 256 random bits, as vLLM's `cache_salt` asks for."""
+    return secrets.token_urlsafe(32)
+
+
 def stream_completion(target: Target, model: str, prompt: list[int] | tuple[int, ...], max_tokens: int,
-                      *, ignore_eos: bool = True, temperature: float = 0.0) -> StreamResult:
+                      *, ignore_eos: bool = True, temperature: float = 0.0,
+                      cache_salt: str | None = None) -> StreamResult:
     """POST a token-id prompt to /v1/completions with stream=true and time every chunk.
-    The whole request, stream included, must end within target.timeout_s."""
+    The whole request, stream included, must end within target.timeout_s. `cache_salt`
+    (vLLM's request field) keys the prompt's prefix-cache blocks: a run with a salt of its
+    own never reuses the blocks an earlier run of the same prompts left behind."""
     where = target.endpoint(F.COMPLETIONS)
     body = {
         "model": model,
@@ -176,6 +185,8 @@ def stream_completion(target: Target, model: str, prompt: list[int] | tuple[int,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     max_lines = MAX_LINES_PER_TOKEN * max_tokens + MAX_EXTRA_LINES
     result = StreamResult(started=time.perf_counter())
     try:

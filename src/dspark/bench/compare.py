@@ -124,7 +124,8 @@ def table(a: Report, b: Report) -> str:
                or getattr(s, "prefix_cache_hit_tokens", 0)]
         if hit:
             lines += ["", f"**{label} hit the prefix cache** at {', '.join(map(str, hit))} (n/a there): "
-                      "the server had seen those prompts; restart it before the run."]
+                      "the server had seen those prompts (a run with --shared-prefix-cache, or a server that ignores "
+                      "vLLM's cache_salt); rerun without that flag, or restart the server before the run."]
     missing = sorted((set(sa) ^ set(sb)))
     if missing:
         lines += ["", f"Only in one report (left out): {', '.join(map(str, missing))}"]

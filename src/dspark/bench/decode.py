@@ -12,17 +12,22 @@ counters over the level, when it reports any.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from . import prompts, stats
-from .client import BenchError, ServerInfo, Target, describe, scrape, stream_completion
+from .client import BenchError, ServerInfo, Target, describe, new_cache_salt, scrape, stream_completion
 from .metrics import spec_decode, window
 from .progress import Progress, or_silent
 from .report import DecodeLevel, DecodeRequest, Report, now_iso
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
+# Requests per level = concurrency x rounds. One round left c=1 and c=2 on one and two
+# requests: a single slow request put c=2 below c=1. Four give every level a standard
+# error (DecodeLevel.aggregate_tok_s_se) that the report prints beside the throughput.
+DEFAULT_ROUNDS = 4
 # One thread (and one connection) per stream: beyond this a client machine runs out of
 # threads or sockets before the server is measured. Requests per level are capped likewise
 # (every prompt is generated up front).
@@ -36,11 +41,15 @@ class DecodeSpec:
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     output_len: int = 512
     input_len: int = 128
-    rounds: int = 1
+    rounds: int = DEFAULT_ROUNDS
     seed: int = 0
     temperature: float = 0.0
     warmup: bool = True
     label: str = "run"
+    # A prefix-cache salt of the run's own (client.new_cache_salt): a rerun with the same seed
+    # sends identical prompts yet finds none of the previous run's cached blocks. False sends
+    # no salt: what the server cached before is reused (and reported as prefix-cache hits).
+    fresh_prefix_cache: bool = True
 
     def check(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -74,7 +83,8 @@ class DecodeSpec:
     def params(self) -> dict:
         return {"concurrency": list(self.concurrency), "output_len": self.output_len, "input_len": self.input_len,
                 "rounds": self.rounds, "seed": self.seed, "temperature": self.temperature,
-                "ignore_eos": True, "warmup": self.warmup}
+                "ignore_eos": True, "warmup": self.warmup,
+                "prefix_cache": "fresh (salted per run)" if self.fresh_prefix_cache else "shared"}
 
 
 def request_record(res, prompt: prompts.Prompt, concurrency: int, role: str, index: int,
@@ -89,15 +99,28 @@ def request_record(res, prompt: prompts.Prompt, concurrency: int, role: str, ind
         itl_s=[round(x, 6) for x in res.itl_s])
 
 
+def aggregate_se(aggregate: float | None, e2e_s: list[float | None]) -> float | None:
+    """The level throughput's standard error: the level lasts about (requests / concurrency)
+    request times, so its relative error is that of the mean request time, the requests'
+    coefficient of variation over sqrt(requests). None below two requests."""
+    xs = [x for x in e2e_s if x is not None]
+    m = stats.mean(xs)
+    if aggregate is None or len(xs) < 2 or not m:
+        return None
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return aggregate * sd / m / math.sqrt(len(xs))
+
+
 def summarize_level(concurrency: int, reqs: list[DecodeRequest], duration_s: float, w) -> DecodeLevel:
     out_tokens = sum(r.output_tokens or 0 for r in reqs)
     ttfts = [r.ttft_s for r in reqs]
     itls = [x for r in reqs for x in r.itl_s]
     rates = [r.decode_tok_s for r in reqs if r.decode_tok_s is not None]
     spec = spec_decode(w) if w is not None else None
+    aggregate = stats.rate(out_tokens, duration_s)
     return DecodeLevel(
         concurrency=concurrency, requests=len(reqs), output_tokens=out_tokens, duration_s=duration_s,
-        aggregate_tok_s=stats.rate(out_tokens, duration_s),
+        aggregate_tok_s=aggregate, aggregate_tok_s_se=aggregate_se(aggregate, [r.e2e_s for r in reqs]),
         decode_tok_s_median=stats.median(rates), decode_tok_s_min=min(rates) if rates else None,
         ttft_s_p50=stats.percentile(ttfts, 50), ttft_s_p90=stats.percentile(ttfts, 90),
         ttft_s_p99=stats.percentile(ttfts, 99),
@@ -112,7 +135,7 @@ def summarize_level(concurrency: int, reqs: list[DecodeRequest], duration_s: flo
 
 
 def run_level(target: Target, model: str, spec: DecodeSpec, concurrency: int, level_prompts, progress: Progress,
-              report: Report, on_update) -> DecodeLevel:
+              report: Report, on_update, cache_salt: str | None = None) -> DecodeLevel:
     """Run one level; completed requests are added to the report as they finish, so a
     failure keeps them."""
     before = scrape(target, model)
@@ -120,7 +143,7 @@ def run_level(target: Target, model: str, spec: DecodeSpec, concurrency: int, le
 
     def one(i: int):
         res = stream_completion(target, model, level_prompts[i].token_ids, spec.output_len,
-                                ignore_eos=True, temperature=spec.temperature)
+                                ignore_eos=True, temperature=spec.temperature, cache_salt=cache_salt)
         return i, res
 
     done_reqs: list[DecodeRequest] = []
@@ -174,16 +197,17 @@ def run(target: Target, spec: DecodeSpec, *, progress: Progress | None = None, o
     progress = or_silent(progress)
     total = (1 if spec.warmup else 0) + sum(len(p) for p in plans.values())
     progress.begin(total, f"decode c={','.join(map(str, spec.concurrency))}, {spec.output_len} tokens each")
+    salt = new_cache_salt() if spec.fresh_prefix_cache else None
     try:
         if spec.warmup:
             p = spec.warmup_prompt()
             t0 = time.perf_counter()
             res = stream_completion(target, info.model, p.token_ids, min(spec.output_len, 16),
-                                    temperature=spec.temperature)
+                                    temperature=spec.temperature, cache_salt=salt)
             report.trials.append(request_record(res, p, 1, "warmup", 0, t0))
             progress.step("warm-up")
         for c in spec.concurrency:
-            level = run_level(target, info.model, spec, c, plans[c], progress, report, on_update)
+            level = run_level(target, info.model, spec, c, plans[c], progress, report, on_update, salt)
             report.summary.append(level)
             if on_update is not None:
                 on_update(report)

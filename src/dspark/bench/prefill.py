@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from . import prompts, stats
-from .client import BenchError, ServerInfo, Target, describe, scrape, stream_completion
+from .client import BenchError, ServerInfo, Target, describe, new_cache_salt, scrape, stream_completion
 from .metrics import Window, window
 from .progress import Progress, or_silent
 from .report import PrefillSummary, PrefillTrial, Report, now_iso
@@ -34,6 +34,10 @@ class PrefillSpec:
     # holds 1K and 2K); lengths the user chose are refused instead when one does not fit.
     fit_to_server: bool = False
     left_out: tuple[int, ...] = ()  # default lengths the server's max_model_len does not hold
+    # A prefix-cache salt of the run's own (client.new_cache_salt): a rerun with the same seed
+    # sends identical prompts yet finds none of the previous run's cached blocks. False sends
+    # no salt: what the server cached before is reused (and reported as prefix-cache hits).
+    fresh_prefix_cache: bool = True
 
     def check(self) -> None:
         if not self.lengths:
@@ -58,7 +62,8 @@ class PrefillSpec:
 
     def params(self) -> dict:
         p = {"lengths": list(self.lengths), "trials": self.trials, "seed": self.seed,
-             "max_tokens": 1, "warmup_requests": 1, "excluded_passes_per_length": 1}
+             "max_tokens": 1, "warmup_requests": 1, "excluded_passes_per_length": 1,
+             "prefix_cache": "fresh (salted per run)" if self.fresh_prefix_cache else "shared"}
         if self.left_out:
             p["lengths_left_out"] = list(self.left_out)
         return p
@@ -141,11 +146,11 @@ def summarize(trials: list[PrefillTrial], lengths: tuple[int, ...]) -> list[Pref
 
 
 def measure(target: Target, model: str, prompt: prompts.Prompt, role: str, index: int,
-            run_start: float) -> PrefillTrial:
+            run_start: float, cache_salt: str | None = None) -> PrefillTrial:
     """One request between two scrapes."""
     before = scrape(target, model)
     at = time.perf_counter() - run_start
-    res = stream_completion(target, model, prompt.token_ids, max_tokens=1)
+    res = stream_completion(target, model, prompt.token_ids, max_tokens=1, cache_salt=cache_salt)
     after = scrape(target, model)
     server = judge(window(before, after), len(prompt))
     notes = list(server.notes)
@@ -169,7 +174,8 @@ def nothing_measured(report: Report) -> str | None:
         return None
     return (f"every measured trial ({len(measured)} of {len(measured)}) was served from the prefix cache, so "
             "no prefill was measured: the server has seen these prompts before (an earlier run with the same "
-            "--seed); run again with another --seed, or after restarting the server")
+            "--seed, run with --shared-prefix-cache, or a server that ignores vLLM's cache_salt); run again without "
+            "--shared-prefix-cache, with another --seed, or after restarting the server")
 
 
 def new_report(spec: PrefillSpec, info: ServerInfo) -> Report:
@@ -201,11 +207,12 @@ def run(target: Target, spec: PrefillSpec, *, progress: Progress | None = None, 
     steps = spec.plan()
     progress.begin(len(steps), f"prefill {', '.join(str(n) for n in spec.lengths)} tokens")
     run_start = time.perf_counter()
+    salt = new_cache_salt() if spec.fresh_prefix_cache else None
     try:
         for role, length, index in steps:
             if before_request is not None:
                 before_request(role, length, index)
-            trial = measure(target, info.model, spec.prompt(role, length, index), role, index, run_start)
+            trial = measure(target, info.model, spec.prompt(role, length, index), role, index, run_start, salt)
             report.trials.append(trial)
             report.summary = summarize(report.trials, spec.lengths)
             if on_update is not None:

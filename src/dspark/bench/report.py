@@ -126,6 +126,9 @@ class DecodeLevel:
         help="Accepted / proposed draft tokens (speculative decoding), when reported.")
     spec_mean_acceptance_length: float | None = _f(help="1 + accepted / drafts: tokens per verification step.")
     spec_drafts: int | None = _f(help="Draft rounds the server reported during the level.")
+    aggregate_tok_s_se: float | None = _f(
+        None, help="Standard error of aggregate_tok_s: it times the requests' end-to-end time coefficient of "
+                   "variation over sqrt(requests); None below two requests (reports before it have none).")
 
 
 TRIAL_TYPES = {"prefill": PrefillTrial, "decode": DecodeRequest}
@@ -330,19 +333,21 @@ def to_markdown(r: Report) -> str:
         hits = sum(s.prefix_cache_hit_trials for s in r.summary)
         if hits:
             lines += ["", f"**{hits} trial(s) hit the prefix cache**: the server had seen these prompts "
-                      "(same seed, server not restarted); they are left out of every median."]
+                      "(same seed with --shared-prefix-cache, or a server that ignores cache_salt); they are left out of every "
+                      "median."]
         over = sum(s.overlapped_trials for s in r.summary)
         if over:
             lines += ["", f"{over} trial(s) overlapped other requests (another client, or the "
                       "supervisor's liveness probe); their server-side figures are left out."]
     else:
-        lines += ["| concurrency | requests | aggregate tok/s | per-stream decode tok/s (median / min) "
+        lines += ["| concurrency | requests | aggregate tok/s (± standard error) | per-stream decode tok/s (median / min) "
                   "| TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | spec acceptance |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         for s in r.summary:
             spec = ("n/a" if s.spec_acceptance_rate is None else
                     f"{s.spec_acceptance_rate:.1%} (mean length {fmt(s.spec_mean_acceptance_length, 2)})")
-            lines.append(f"| {s.concurrency} | {s.requests} | {fmt(s.aggregate_tok_s)} | "
+            agg = fmt(s.aggregate_tok_s) + ("" if s.aggregate_tok_s_se is None else f" ± {fmt(s.aggregate_tok_s_se)}")
+            lines.append(f"| {s.concurrency} | {s.requests} | {agg} | "
                          f"{fmt(s.decode_tok_s_median)} / {fmt(s.decode_tok_s_min)} | "
                          f"{ms(s.ttft_s_p50)} / {ms(s.ttft_s_p90)} / {ms(s.ttft_s_p99)} | "
                          f"{ms(s.itl_s_p50)} / {ms(s.itl_s_p90)} / {ms(s.itl_s_p99)} | {spec} |")
