@@ -21,6 +21,7 @@ from dspark.local import LocalError, LocalPorts, prepare, up
 from dspark.local_model import TINY_MODEL
 from dspark.preflight import Host
 from dspark.preflight import peer as P
+from dspark_cli import invoke_dspark
 from pairlib import run_dspark
 
 
@@ -236,7 +237,7 @@ def test_peer_without_identity_warns(tmp_path):
 # ------------------------------------------------------------------------------ command line
 def test_dspark_check_on_this_host(tmp_path):
     c = cluster(tmp_path, free_port(), free_port("127.0.0.2"))
-    r = run_dspark("check", "--config", c.source, "--node", "w", "--json")
+    r = invoke_dspark("check", "--config", c.source, "--node", "w", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout)
     got = {x["name"]: x for x in report["checks"]}
@@ -244,7 +245,7 @@ def test_dspark_check_on_this_host(tmp_path):
     if got["gpu"]["status"] == "warn":  # this machine has no GPU: said so, with a reason
         assert "no NVIDIA driver" in got["gpu"]["seen"]
     assert report["identity"]["vllm_version"].startswith("0.28.0")
-    r = run_dspark("check", "--config", c.source, "--node", "w")
+    r = invoke_dspark("check", "--config", c.source, "--node", "w")
     last = r.stdout.splitlines()[-1]
     assert r.returncode == 0 and last.startswith("w: ") and " checks, 0 failed" in last
     assert any(line.startswith("ok    port.agent") for line in r.stdout.splitlines())
@@ -263,10 +264,10 @@ def test_memory_check_without_a_readable_plan_warns(tmp_path):
 def test_dspark_check_fails_with_a_clear_message(tmp_path):
     c = cluster(tmp_path, free_port(), free_port("127.0.0.2"))
     (tmp_path / "model" / "config.json").unlink()
-    r = run_dspark("check", "--config", c.source, "--node", "w", "--no-peers")
+    r = invoke_dspark("check", "--config", c.source, "--node", "w", "--no-peers")
     assert r.returncode == 1
     assert "fail  model.dir" in r.stdout and "no config.json" in r.stdout and "Traceback" not in r.stdout + r.stderr
-    r = run_dspark("check", "--config", str(tmp_path / "missing.toml"), "--node", "w")
+    r = invoke_dspark("check", "--config", str(tmp_path / "missing.toml"), "--node", "w")
     assert r.returncode == 2 and "file not found" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pairlib import run_dspark
+from dspark_cli import invoke_dspark
 from dspark import config as C
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cluster-two-node.toml"
@@ -109,13 +109,13 @@ def test_node_by_name_and_unknown_name():
 
 def test_cli_check_and_init(tmp_path):
     path = tmp_path / "cluster.toml"
-    r = run_dspark("config", "init", str(path))
+    r = invoke_dspark("config", "init", str(path))
     assert r.returncode == 0 and path.exists()
-    r = run_dspark("config", "init", str(path))
+    r = invoke_dspark("config", "init", str(path))
     assert r.returncode == 2 and "exists" in r.stderr
-    r = run_dspark("config", "check", "--config", str(path))
+    r = invoke_dspark("config", "check", "--config", str(path))
     assert r.returncode == 2 and "CHANGEME" in r.stderr and "Traceback" not in r.stderr
-    r = run_dspark("config", "check", "--config", str(FIXTURE))
+    r = invoke_dspark("config", "check", "--config", str(FIXTURE))
     assert r.returncode == 0 and "OK: 2 nodes" in r.stdout
 
 
@@ -126,9 +126,9 @@ def test_cli_check_and_init(tmp_path):
 def test_cli_bad_files_give_messages_not_tracebacks(tmp_path, text, expected):
     path = tmp_path / "c.toml"
     path.write_text(text)
-    r = run_dspark("config", "check", "--config", str(path))
+    r = invoke_dspark("config", "check", "--config", str(path))
     assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr
-    r = run_dspark("config", "check", "--config", str(tmp_path / "missing.toml"))
+    r = invoke_dspark("config", "check", "--config", str(tmp_path / "missing.toml"))
     assert r.returncode == 2 and "file not found" in r.stderr
 
 

@@ -4,13 +4,13 @@ a user who follows them would then have twice."""
 
 import re
 
-from pairlib import run_dspark
+from dspark_cli import invoke_dspark
 
 
 def test_template_hints_differ_per_node(tmp_path):
     path = tmp_path / "cluster.toml"
-    assert run_dspark("config", "init", str(path)).returncode == 0
-    r = run_dspark("config", "check", "-c", str(path))
+    assert invoke_dspark("config", "init", str(path)).returncode == 0
+    r = invoke_dspark("config", "check", "-c", str(path))
     assert r.returncode != 0
     hint = {}
     for m in re.finditer(r"nodes\[(\d)\]\.(\w+): .*Write e\.g\. \w+ = (.+)", r.stderr):
@@ -25,7 +25,7 @@ def test_template_hints_differ_per_node(tmp_path):
         text = _set_nth(text, key, i, value)
     text = text.replace('"/var/lib/dspark/models/CHANGEME"', f'"{tmp_path}"')
     path.write_text(text)
-    r = run_dspark("config", "check", "-c", str(path))
+    r = invoke_dspark("config", "check", "-c", str(path))
     assert r.returncode == 0, r.stderr
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from dspark import config as C
 from dspark.render import render
+from dspark_cli import invoke_dspark
 from pairlib import run_dspark
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cluster-two-node.toml"
@@ -31,8 +32,11 @@ def write(tmp_path: Path, data: dict) -> Path:
     return path
 
 
-def refused(path: Path, needle: str, timeout: float = 30) -> str:
-    r = run_dspark("config", "check", "--config", str(path), timeout=timeout)
+def refused(path: Path, needle: str, timeout: float | None = None) -> str:
+    """`config check` refuses `path` with `needle` in its message. With `timeout` (a file that
+    could block its reader), in a process of its own that is killed past it; else in-process."""
+    args = ("config", "check", "--config", str(path))
+    r = run_dspark(*args, timeout=timeout) if timeout is not None else invoke_dspark(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert needle in r.stderr, r.stderr
     return r.stderr
@@ -72,7 +76,7 @@ def test_cli_refuses_infinite_supervisor_times(tmp_path, text):
 def test_plan_refuses_infinite_memory_with_a_message(tmp_path, value):
     path = write(tmp_path, good())
     path.write_text(path.read_text().replace("[serving]", f"[serving]\nusable_memory_gib = {value}", 1))
-    r = run_dspark("plan", "--config", str(path))
+    r = invoke_dspark("plan", "--config", str(path))
     assert r.returncode == 2 and "Traceback" not in r.stderr and "usable_memory_gib" in r.stderr, r.stderr
 
 
@@ -195,7 +199,7 @@ def test_datetime_in_speculative_config(tmp_path):
     path.write_text(path.read_text().replace(
         "[serving]", "[serving]\nspeculative_config = { method = \"x\", when = 1979-05-27T07:32:00Z }", 1))
     refused(path, "speculative_config.when")
-    r = run_dspark("render", "--config", str(path), "--node", "spark-a")
+    r = invoke_dspark("render", "--config", str(path), "--node", "spark-a")
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pairlib import run_dspark
+from dspark_cli import invoke_dspark
 from dspark import config as C
 from dspark.render import render
 
@@ -72,7 +72,7 @@ def test_template_says_what_it_leaves_unset_and_why():
 def test_rendered_template_carries_the_gb10_defaults(tmp_path):
     """Through `dspark render`, as an operator sees it, and through render() for the argv."""
     path = filled_template(tmp_path)
-    r = run_dspark("render", "--config", str(path), "--node", "a")
+    r = invoke_dspark("render", "--config", str(path), "--node", "a")
     assert r.returncode == 0, r.stderr
     assert "VLLM_USE_BREAKABLE_CUDAGRAPH=0 \\\n" in r.stdout
     assert "--long-prefill-token-threshold 1024 \\\n" in r.stdout

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from dspark_cli import invoke_dspark
 from pairlib import run_dspark
 from plan_fixtures import write_dsv4_flash_checkpoint
 
@@ -28,20 +29,20 @@ def cluster_file(tmp_path, model_dir, tp: int) -> str:
 
 
 def test_seed_settings_fit_at_tp2(tmp_path, dsv4_dir):
-    r = run_dspark("plan", "--config", cluster_file(tmp_path, dsv4_dir, 2), "--json")
+    r = invoke_dspark("plan", "--config", cluster_file(tmp_path, dsv4_dir, 2), "--json")
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     assert p["fits"] is True
     assert round(p["weight_bytes"] / GIB, 2) == 155.42  # payload of the 155.43 GiB of shard files
     assert 77 < p["weight_bytes_per_rank"] / GIB < 80
     assert p["kv_bytes_per_token"] > 0 and p["kv_tokens"] > 0
-    r = run_dspark("plan", "--config", cluster_file(tmp_path, dsv4_dir, 2))
+    r = invoke_dspark("plan", "--config", cluster_file(tmp_path, dsv4_dir, 2))
     assert r.returncode == 0 and "GiB" in r.stdout
 
 
 def test_tp1_does_not_fit_and_serve_refuses_before_starting_vllm(tmp_path, dsv4_dir):
     cfg = cluster_file(tmp_path, dsv4_dir, 1)
-    r = run_dspark("plan", "--config", cfg, "--json")
+    r = invoke_dspark("plan", "--config", cfg, "--json")
     assert r.returncode == 1 and json.loads(r.stdout)["fits"] is False
     r = run_dspark("serve", "--config", cfg, "--node", "a")
     assert r.returncode == 2 and "does not fit" in r.stderr and "tensor_parallel_size" in r.stderr
@@ -49,5 +50,5 @@ def test_tp1_does_not_fit_and_serve_refuses_before_starting_vllm(tmp_path, dsv4_
 
 
 def test_missing_model_dir_is_a_clear_error(tmp_path):
-    r = run_dspark("plan", "--config", cluster_file(tmp_path, tmp_path / "nope", 2))
+    r = invoke_dspark("plan", "--config", cluster_file(tmp_path, tmp_path / "nope", 2))
     assert r.returncode == 2 and "plan:" in r.stderr and "Traceback" not in r.stderr

@@ -4,16 +4,15 @@ disk and no cluster file; and the plan's hints name only settings the cluster fi
 (item 10)."""
 
 import json
-import os
 import re
 from pathlib import Path
 
-from pairlib import run_dspark
+from dspark_cli import invoke_dspark
 from plan_fixtures import CONFIG_PATH, write_dsv4_flash_checkpoint, write_tiny_llama
 
 from dspark.plan import published
 
-NO_CONFIG = {k: v for k, v in os.environ.items() if k != "DSPARK_CONFIG"}
+NO_CONFIG = {"DSPARK_CONFIG": None}  # unset for the call
 
 
 def test_the_shipped_config_is_the_fixture_the_tests_use():
@@ -27,7 +26,7 @@ def test_published_description_has_the_published_figures():
 
 
 def test_plan_published_without_a_model_or_a_cluster_file_equals_the_header_only_checkpoint(tmp_path):
-    r = run_dspark("plan", "--published", "--json", env=NO_CONFIG, cwd=tmp_path)
+    r = invoke_dspark("plan", "--published", "--json", env=NO_CONFIG, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     shipped = json.loads(r.stdout)
     # the same plan from a real (header-only, sparse) checkpoint directory at the default settings
@@ -35,7 +34,7 @@ def test_plan_published_without_a_model_or_a_cluster_file_equals_the_header_only
     cluster = tmp_path / "c.toml"
     cluster.write_text(f'[model]\npath = "{model}"\n[[nodes]]\nname = "a"\nrank = 0\naddress = "10.0.0.1"\n'
                        '[[nodes]]\nname = "b"\nrank = 1\naddress = "10.0.0.2"\n')
-    r = run_dspark("plan", "--config", str(cluster), "--json")
+    r = invoke_dspark("plan", "--config", str(cluster), "--json")
     assert r.returncode == 0, r.stderr
     on_disk = json.loads(r.stdout)
     # the description's shard sizes are the published ones; the fixture's compact headers differ
@@ -45,7 +44,7 @@ def test_plan_published_without_a_model_or_a_cluster_file_equals_the_header_only
         d.pop("model_dir", None)
         d.get("inputs", {}).pop("model_dir", None)
     assert shipped == on_disk
-    text = run_dspark("plan", "--published", env=NO_CONFIG, cwd=tmp_path).stdout
+    text = invoke_dspark("plan", "--published", env=NO_CONFIG, cwd=tmp_path).stdout
     assert "fits                      yes" in text and "KV tokens per rank        819,217" in text
     assert "note: 12 concurrent requests run with up to" in text
     assert "admission reserve" in text and "lower max_num_seqs" not in text
@@ -55,7 +54,7 @@ def test_published_follows_the_cluster_files_settings(tmp_path):
     cluster = tmp_path / "c.toml"
     cluster.write_text('[model]\npath = "/nowhere"\n[serving]\ntensor_parallel_size = 1\n'
                        '[[nodes]]\nname = "a"\nrank = 0\naddress = "10.0.0.1"\n')
-    r = run_dspark("plan", "--published", "--config", str(cluster))
+    r = invoke_dspark("plan", "--published", "--config", str(cluster))
     assert r.returncode == 1 and "fits                      NO" in r.stdout, (r.stdout, r.stderr)
 
 
@@ -66,14 +65,14 @@ def test_plan_hints_name_only_settings_config_check_accepts(tmp_path):
             'kv_cache_dtype = "auto"\nblock_size = 128\n')
     nodes = '[[nodes]]\nname = "a"\nrank = 0\naddress = "10.0.0.1"\n'
     cluster.write_text(base + nodes)
-    r = run_dspark("plan", "--config", str(cluster))
+    r = invoke_dspark("plan", "--config", str(cluster))
     notes = [line for line in r.stdout.splitlines() if line.startswith("note:")]
     assert any("not estimated" in n for n in notes), r.stdout
     named = set(re.findall(r"serving\.([a-z_]+)", " ".join(notes)))
     assert named, notes  # the hint says which setting, in the cluster file's terms
     for key in named:  # what a user would then write into the file
         cluster.write_text(base + f"{key} = 1073741824\n" + nodes)
-        check = run_dspark("config", "check", "-c", str(cluster))
+        check = invoke_dspark("config", "check", "-c", str(cluster))
         assert check.returncode == 0, (key, check.stderr)
     assert "runtime_overhead_bytes" not in r.stdout
 
@@ -82,6 +81,6 @@ def test_readme_shows_what_plan_published_prints(tmp_path):
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     block = re.search(r"```\n\$ dspark plan --published\n(.*?)```", readme, re.S)
     assert block, "README.md: no '$ dspark plan --published' block"
-    r = run_dspark("plan", "--published", env=NO_CONFIG, cwd=tmp_path)
+    r = invoke_dspark("plan", "--published", env=NO_CONFIG, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert block.group(1).rstrip("\n") == r.stdout.rstrip("\n")

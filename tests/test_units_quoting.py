@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pairlib import run_dspark
+from dspark_cli import invoke_dspark
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cluster-two-node.toml"
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
@@ -33,7 +33,7 @@ def fake_dspark(where: Path) -> Path:
 def test_dollar_in_dspark_bin_is_the_path_systemd_runs(tmp_path):
     exe = fake_dspark(tmp_path / "opt$HOME x")
     out = tmp_path / "units"
-    r = run_dspark("systemd", "render", "--dspark-bin", str(exe), "--out", str(out))
+    r = invoke_dspark("systemd", "render", "--dspark-bin", str(exe), "--out", str(out))
     assert r.returncode == 0, r.stderr
     for unit in ("dspark-worker.service", "dspark-head.service", "dspark-wait-worker.service",
                  "dspark-dashboard.service"):
@@ -49,7 +49,7 @@ def test_config_path_with_a_space_reaches_the_units(tmp_path):
     shutil.copy(FIXTURE, conf)
     exe = fake_dspark(tmp_path / "d")
     out = tmp_path / "units"
-    r = run_dspark("systemd", "render", "--node", "spark-a", "--config", str(conf), "--dspark-bin", str(exe),
+    r = invoke_dspark("systemd", "render", "--node", "spark-a", "--config", str(conf), "--dspark-bin", str(exe),
                    "--out", str(out))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     dropin = (out / "dspark-head.service.d" / "50-dspark-node.conf").read_text()
@@ -61,5 +61,5 @@ def test_config_path_with_a_space_reaches_the_units(tmp_path):
 def test_a_newline_in_the_config_path_is_a_clear_error(tmp_path):
     conf = tmp_path / "a\nb.toml"
     shutil.copy(FIXTURE, conf)
-    r = run_dspark("systemd", "render", "--node", "spark-a", "--config", str(conf), "--dspark-bin", "/bin/true")
+    r = invoke_dspark("systemd", "render", "--node", "spark-a", "--config", str(conf), "--dspark-bin", "/bin/true")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "newline" in r.stderr, r.stderr

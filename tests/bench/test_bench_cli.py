@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
 
-from pairlib import run_dspark
+from dspark_cli import invoke_dspark
 from dspark.bench import prefill
 from dspark.bench.client import BenchError, Target
 
@@ -16,7 +15,7 @@ def test_unreachable_server_is_one_clear_line(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    r = run_dspark("bench", "prefill", "--url", f"http://127.0.0.1:{port}", "-o", str(tmp_path))
+    r = invoke_dspark("bench", "prefill", "--url", f"http://127.0.0.1:{port}", "-o", str(tmp_path))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "server unreachable or failing" in r.stderr and "Connection refused" in r.stderr
     with pytest.raises(BenchError, match="unreachable"):
@@ -24,21 +23,21 @@ def test_unreachable_server_is_one_clear_line(tmp_path):
 
 
 def test_no_server_named_is_a_clear_error(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "DSPARK_CONFIG"}
-    r = run_dspark("bench", "decode", "-o", str(tmp_path), env=env)
+    env = {"DSPARK_CONFIG": None}  # unset for the call
+    r = invoke_dspark("bench", "decode", "-o", str(tmp_path), env=env)
     assert r.returncode == 2 and "no server named" in r.stderr and "--url" in r.stderr
-    r = run_dspark("bench", env=env)
+    r = invoke_dspark("bench", env=env)
     assert r.returncode == 0 and "prefill" in r.stdout and "compare" in r.stdout
 
 
 def test_bad_options_are_usage_errors(tmp_path):
-    r = run_dspark("bench", "prefill", "--url", "http://127.0.0.1:9", "--lengths", "1K,x", "-o", str(tmp_path))
+    r = invoke_dspark("bench", "prefill", "--url", "http://127.0.0.1:9", "--lengths", "1K,x", "-o", str(tmp_path))
     assert r.returncode == 2 and "'x' is not a whole number" in r.stderr
-    r = run_dspark("bench", "decode", "--url", "127.0.0.1:9", "-o", str(tmp_path))
+    r = invoke_dspark("bench", "decode", "--url", "127.0.0.1:9", "-o", str(tmp_path))
     assert r.returncode == 2 and "must start with http://" in r.stderr
 
 
 def test_compare_of_unreadable_files(tmp_path):
     (tmp_path / "a.json").write_text("[]")
-    r = run_dspark("bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "missing.json"))
+    r = invoke_dspark("bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "missing.json"))
     assert r.returncode == 2 and "not a dspark bench report" in r.stderr and "Traceback" not in r.stderr

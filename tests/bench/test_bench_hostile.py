@@ -9,6 +9,7 @@ import pytest
 
 from dspark.bench.report import paths
 from hostile import HostileServer, answer, endless, send
+from dspark_cli import invoke_dspark
 from pairlib import run_dspark
 from test_bench_units import make_report
 
@@ -150,7 +151,7 @@ BAD_FIELDS = [
 @pytest.mark.parametrize("path, value", BAD_FIELDS, ids=[f"{'.'.join(map(str, p))}={v!r}" for p, v in BAD_FIELDS])
 def test_compare_refuses_wrongly_typed_reports(tmp_path, path, value):
     pa, pb = _pair(tmp_path, _set(path, value))
-    r = run_dspark("bench", "compare", str(pa), str(pb))
+    r = invoke_dspark("bench", "compare", str(pa), str(pb))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "bench compare:" in r.stderr and str(pa) in r.stderr
     assert "nan%" not in r.stdout
@@ -158,7 +159,7 @@ def test_compare_refuses_wrongly_typed_reports(tmp_path, path, value):
 
 def test_compare_labels_cannot_inject_markdown(tmp_path):
     pa, pb = _pair(tmp_path, _set(("label",), "x | evil |\n# heading [link](http://e) <img src=x>"))
-    r = run_dspark("bench", "compare", str(pa), str(pb))
+    r = invoke_dspark("bench", "compare", str(pa), str(pb))
     assert r.returncode == 0, r.stderr
     header = next(line for line in r.stdout.splitlines() if line.startswith("| length") or line.startswith("| input"))
     assert header.count(" | ") == 4 + 0 and "\\|" in header  # still five cells: the label's '|' is escaped
