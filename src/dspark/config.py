@@ -967,6 +967,8 @@ def template() -> str:
         "# dspark cluster file: one description of the deployment, the same file on every node.\n"
         "# Each process finds its own [[nodes]] entry by name (default: the host name).\n"
         "# Replace every CHANGEME; use the dedicated fabric addresses, not Wi-Fi or the LAN.\n"
+        "# The head's API binds its fabric address (only the nodes reach it); to open it, set api_host =\n"
+        "# \"0.0.0.0\" in its [[nodes]] entry and an API key (dspark check warns on an open API).\n"
         "# Defaults are the tested settings for DeepSeek V4 Flash on two GB10 nodes (TP=2); each serving\n"
         "# setting says where it comes from (a public measurement on GB10, or vLLM's code).\n"
         "# Left unset on purpose:\n"
