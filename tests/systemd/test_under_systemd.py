@@ -8,6 +8,7 @@ status, a worker kill, a hung head, a wedged worker, the head started alone (cro
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.error
@@ -25,6 +26,7 @@ pytestmark = [pytest.mark.systemd,
 
 START_S = 600      # a pair start on a loaded 2-core machine (about 50 s when idle)
 DETECT_S = 15      # the issue's bound for detecting a worker death
+EXPOSURE_MAX = 2.0  # issue 21 item 8: `systemd-analyze security` of the node units (nixpkgs' CUDA services: 1.5)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,30 @@ def test_the_units_run_as_shipped_as_the_unprivileged_dspark_user(app: Appliance
         for what, pid in pids.items():
             user = app.box.run("ps", "-o", "user=", "-p", pid, timeout=30).stdout.strip()
             assert user == "dspark", (node, what, pid, user)
+
+
+def test_the_node_units_are_hardened_and_the_pair_serves_under_them(app: Appliance):
+    """Issue 21 item 8: `systemd-analyze security` of the container's systemd, on the units as
+    loaded (drop-ins included), rates each node unit at most EXPOSURE_MAX (3.5 before); the
+    sandbox is in force on the running supervisors, and the pair serves under it."""
+    for unit in ("dspark-head.service", "dspark-worker.service"):
+        out = app.box.run("systemd-analyze", "security", "--no-pager", unit, timeout=120)
+        level = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout)
+        assert level is not None, out.stdout[-2000:] + out.stderr
+        print(f"{unit}: exposure {level.group(1)}")
+        assert float(level.group(1)) <= EXPOSURE_MAX, out.stdout
+        pid = app.box.show(unit, "MainPID")["MainPID"]
+
+        def proc(name: str) -> str:
+            return app.box.run("cat", f"/proc/{pid}/{name}", timeout=30, check=True).stdout
+
+        assert re.search(r"^Seccomp:\s+2$", proc("status"), re.M), proc("status")  # SystemCallFilter= filters
+        # PrivateUsers=yes: a user namespace mapping root and dspark only, not the identity map.
+        uid_map = proc("uid_map").split()
+        assert len(uid_map) == 6 and "4294967295" not in uid_map, uid_map
+        # ProtectProc=invisible: the unit's /proc hides what its user may not ptrace.
+        assert re.search(r" /proc .* proc proc \S*hidepid=invisible", proc("mountinfo")), proc("mountinfo")
+    assert app.serving()  # every node serving and a real completion through the head
 
 
 def test_systemctl_status_shows_the_status_lines(app: Appliance):
