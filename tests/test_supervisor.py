@@ -146,8 +146,11 @@ def test_head_ready_after_a_real_completion_then_clean_stop(tmp_path, serve):
     assert not alive(vllm_pid) and not alive(grandchild)  # the whole process group is gone
 
 
-def test_sigkill_after_the_grace_period(tmp_path, serve):
-    cluster = write_cluster(tmp_path, stop_grace_s=1.5)
+@pytest.mark.parametrize("drain_s", [0.0, 1.0])
+def test_sigkill_after_the_grace_period(tmp_path, serve, drain_s):
+    """Without a drain: SIGKILL after stop_grace_s. With one (issue 21 item 9): a vLLM that does
+    not exit on the drain's SIGTERM is killed once drain_s + stop_grace_s are up."""
+    cluster = write_cluster(tmp_path, stop_grace_s=1.5, drain_s=drain_s)
     s = serve(cluster, "h", STANDIN_IGNORE_TERM=1)
     s.read(until="READY=1")
     pid = s.state()["vllm_pid"]
@@ -155,7 +158,7 @@ def test_sigkill_after_the_grace_period(tmp_path, serve):
     s.proc.send_signal(signal.SIGINT)
     assert s.wait() == EXIT_OK
     took = time.monotonic() - t0
-    assert not alive(pid) and 1.4 < took < 10, took
+    assert not alive(pid) and drain_s + 1.4 < took < drain_s + 10, took
 
 
 def test_never_ready_exit_code(tmp_path, serve):

@@ -185,10 +185,18 @@ class Pair:
         self.procs[node] = p
         return p
 
-    def stop(self, grace_s: float = 40.0) -> None:
-        """SIGTERM the supervisors (head first), wait; SIGKILL their groups if they overstay."""
-        for name in sorted(self.procs, key=lambda n: n != HEAD_NAME):
-            p = self.procs[name]
+    def stop(self, grace_s: float = 40.0, head_s: float = 0.0) -> None:
+        """SIGTERM the head's supervisor and wait up to `head_s` for it (it drains the requests
+        in flight, which need the workers' ranks); then SIGTERM the workers' and wait up to
+        `grace_s` for every one; SIGKILL their groups if they overstay."""
+        head = self.procs.get(HEAD_NAME)
+        if head is not None and head.poll() is None:
+            head.send_signal(signal.SIGTERM)
+            try:
+                head.wait(timeout=max(0.1, head_s))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -295,6 +303,8 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
         return stop["sig"] is not None
 
     everyone = "both nodes" if nodes == 2 else f"all {nodes} nodes"
+    drain = (f"the head first: its requests in flight finish within {cluster.supervisor.drain_s:g} s"
+             if cluster.supervisor.drain_s > 0 else "the head first")
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
     try:
@@ -337,13 +347,15 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
                     raise LocalError(f"{name}'s supervisor exited with code {p.returncode}; see "
                                      f"{pair.workdir / 'logs' / (name + '.log')}")
             time.sleep(0.5)
-        progress(f"stopping {everyone} ...")
+        progress(f"stopping {everyone} ({drain}) ...")
         return 0
     except KeyboardInterrupt:
-        progress(f"stopping {everyone} ...")
+        progress(f"stopping {everyone} ({drain}) ...")
         return 130
     finally:
-        pair.stop()
+        # The head first: it drains (drain_s), then vLLM has stop_grace_s and its sweep.
+        sup = cluster.supervisor
+        pair.stop(head_s=sup.drain_s + sup.stop_grace_s + 30)
         for s, h in old.items():
             signal.signal(s, h)
         progress("stopped; no process left behind" if all(p.poll() is not None for p in pair.procs.values())

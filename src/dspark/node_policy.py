@@ -5,10 +5,18 @@ finished probes) into `Events`, calls `step(now, events)` and carries out the `A
 gets back. Tests drive it with fake probe results and a fake clock (tests/test_node_policy.py).
 
 Phases: backoff -> workers (the head of a pair: until every worker is in the rendezvous) ->
-vllm (before and after ready) -> done. Signals: SIGTERM/SIGINT stop the node (exit 0; during
-the restart backoff the failure history is kept); SIGHUP restarts it through a failure exit
-(EXIT_DIED), so that `Restart=on-failure` brings it back and a pair re-forms worker first
-(restarting vLLM alone inside a running pair would leave the peer's collective waiting).
+vllm (before and after ready) -> [draining] -> done. Signals: SIGTERM/SIGINT stop the node
+(exit 0; during the restart backoff the failure history is kept); SIGHUP restarts it through a
+failure exit (EXIT_DIED), so that `Restart=on-failure` brings it back and a pair re-forms worker
+first (restarting vLLM alone inside a running pair would leave the peer's collective waiting).
+
+A planned stop (SIGTERM/SIGINT) of a serving head drains: vLLM's API process alone gets the
+SIGTERM and, started with --shutdown-timeout, turns new requests away and finishes those in
+flight (up to drain_s) before it exits; the head shows STOPPING meanwhile, and its workers keep
+their vLLM (the head's collective needs them) until it shows STOPPED. vLLM's exit ends the
+drain; a second signal, a broken pair or drain_s + stop_grace_s without an exit end it at once.
+A fault (vLLM died, a peer lost, liveness lost) never drains, nor does a worker: a worker's stop
+while its head serves breaks the pair, and the head stops at once.
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ class Action:
     code: int = 0
     seconds: float = 0.0
     history: str = ""   # for "exit": "clear", "keep" or "fail"
+    at_once: bool = False  # for "stop": SIGKILL without stop_grace_s (a drain that overran had its time)
 
 
 def _set(state: str, detail: str = "") -> Action:
@@ -78,6 +87,7 @@ def _set(state: str, detail: str = "") -> Action:
 # Action kinds: state (show a state), extend (EXTEND_TIMEOUT_USEC), start_vllm, ready (READY=1,
 # with detail), ready_probe / liveness_round / poll_peers (start one in the background),
 # record_probe (a failed pre-ready completion), watchdog, clear_history, say (a log line),
+# drain (SIGTERM to vLLM's API process alone: it drains; seconds: drain_s),
 # stop (stop vLLM; state/detail: how the node is shown meanwhile) and exit (code, history).
 
 
@@ -89,6 +99,7 @@ class Peer:
     started_at: float | None = None   # the peer's incarnation when the pair formed
     last: dict | None = None          # its last /state
     last_seen: float | None = None
+    stopping_since: float | None = None  # a head seen draining (STOPPING) since then
 
 
 @dataclass
@@ -100,11 +111,13 @@ class Limits:
     head_lost_s: float
     rendezvous_timeout_s: float
     worker_wait_timeout_s: float
+    drain_s: float = 0.0        # a planned stop of the serving head drains this long (0: no drain)
+    stop_grace_s: float = 30.0  # and vLLM then has this long to exit
 
     @classmethod
     def of(cls, sup) -> "Limits":
         return cls(sup.ready_timeout_s, sup.liveness_interval_s, sup.head_lost_s, sup.rendezvous_timeout_s,
-                   sup.worker_wait_timeout_s)
+                   sup.worker_wait_timeout_s, sup.drain_s, sup.stop_grace_s)
 
 
 @dataclass
@@ -133,6 +146,8 @@ class NodePolicy:
         self.probe = None
         self.failed_probe = None  # the last failed completion before ready
         self.version: str | None = None  # vLLM's /version, read once ready
+        self.drain_until = 0.0  # draining: vLLM is stopped if it has not exited by then
+        self.drain_signal = ""
 
     # ---------------------------------------------------------------- helpers
     def _show(self, out: list[Action], state: str, detail: str = "") -> None:
@@ -141,7 +156,7 @@ class NodePolicy:
             out.append(_set(state, detail))
 
     def _end(self, out: list[Action], code: int, state: str, detail: str, *, stop: str = "",
-             history: str | None = None) -> list[Action]:
+             history: str | None = None, at_once: bool = False) -> list[Action]:
         """Show the final state, stop vLLM (when `stop` says why), exit with `code`. A failure is
         shown before the stop (which can take stop_grace_s): clients see it at once. A stop on
         request shows STOPPING during the stop and STOPPED once vLLM is gone."""
@@ -149,7 +164,7 @@ class NodePolicy:
         if state != S.STOPPED:
             self._show(out, state, detail)
         if stop:
-            out.append(Action("stop", state=self.state, detail=stop))
+            out.append(Action("stop", state=self.state, detail=stop, at_once=at_once))
         self._show(out, state, detail)
         out.append(Action("exit", code=code, history=history or ("clear" if code == EXIT_OK else "fail")))
         return out
@@ -190,7 +205,9 @@ class NodePolicy:
         if self.phase == "done":
             return out
         if ev.signal is not None:
-            return self._on_signal(out, ev.signal)
+            return self._on_signal(out, ev.signal, now)
+        if self.phase == "draining":
+            return self._draining(out, now, ev)
         if self.phase == "backoff":
             if now >= self.backoff_until:
                 out += self._begin(now)
@@ -199,9 +216,9 @@ class NodePolicy:
             return self._waiting_for_workers(out, now, ev)
         return self._running(out, now, ev)
 
-    def _on_signal(self, out: list[Action], sig: int) -> list[Action]:
+    def _on_signal(self, out: list[Action], sig: int, now: float) -> list[Action]:
         name = signal.Signals(sig).name
-        running = self.phase == "vllm"
+        running = self.phase in ("vllm", "draining")
         if sig == signal.SIGHUP:
             why = f"received SIGHUP: restarting the node (a failure exit: Restart=on-failure brings it back)"
             return self._end(out, EXIT_DIED, S.FAILED, why, stop=name if running else "")
@@ -211,8 +228,42 @@ class NodePolicy:
             return self._end(out, EXIT_OK, S.STOPPED, "stopped while waiting for the worker(s)")
         if not running:  # before anything started
             return self._end(out, EXIT_OK, S.STOPPED, f"stopped ({name}) before starting vLLM", history="keep")
+        if self.phase == "draining":  # a second signal: the operator will not wait
+            return self._end(out, EXIT_OK, S.STOPPED, f"vLLM stopped at once: {name} during the drain",
+                             stop=f"{name} during the drain")
+        if self.is_head and self.ready and self.limits.drain_s > 0:
+            lim = self.limits
+            self.phase, self.drain_signal = "draining", name
+            self.drain_until = now + lim.drain_s + lim.stop_grace_s
+            self._show(out, S.STOPPING, f"received {name}: draining the requests in flight (up to "
+                                        f"{lim.drain_s:g} s); new requests are turned away")
+            out.append(Action("drain", detail=name, seconds=lim.drain_s))
+            return out
         self._show(out, S.STOPPING, f"received {name}")
         return self._end(out, EXIT_OK, S.STOPPED, f"vLLM stopped after {name}", stop=name)
+
+    def _draining(self, out: list[Action], now: float, ev: Events) -> list[Action]:
+        """The head drains: vLLM exits once its requests in flight are done (or drain_s is up).
+        No liveness round meanwhile (its completion would be turned away) and no watchdog ping
+        (systemd is stopping the unit); the peers are still watched: a broken pair cannot finish
+        anything, so it ends the drain at once."""
+        name = self.drain_signal
+        if ev.vllm_exit is not None:
+            return self._end(out, EXIT_OK, S.STOPPED, f"vLLM drained its requests and stopped after {name}")
+        if self.peers and ev.peers is not None:
+            broken = self._peers(now, ev.peers)
+            if broken:
+                return self._end(out, EXIT_OK, S.STOPPED, f"drain cut short, pair broken: {broken}",
+                                 stop="pair broken during the drain")
+        if now >= self.drain_until:
+            lim = self.limits
+            return self._end(out, EXIT_OK, S.STOPPED,
+                             f"vLLM still running {lim.drain_s + lim.stop_grace_s:g} s after {name} "
+                             f"(drain_s + stop_grace_s): killed", stop="the drain overran", at_once=True)
+        if self.peers and "peers" not in ev.running and now - self.last_peers >= PEERS_POLL_S:
+            self.last_peers = now
+            out.append(Action("poll_peers"))
+        return out
 
     def _extend(self, out: list[Action], now: float) -> None:
         if now - self.last_extend > EXTEND_EVERY_S:
@@ -371,6 +422,14 @@ class NodePolicy:
                     p.started_at = a.state.get("started_at")
                 if p.started_at is not None and a.state.get("started_at") != p.started_at:
                     return f"{p.name} restarted; the pair must re-form"
+                if p.is_head and not self.is_head and a.state.get("state") == S.STOPPING:
+                    # A head stopping on request drains its requests in flight, which need this
+                    # worker's ranks until its vLLM is gone (then it shows STOPPED). Bounded by
+                    # the head's own limits (the same cluster file), and a head lost meanwhile.
+                    p.stopping_since = now if p.stopping_since is None else p.stopping_since
+                    lim = self.limits
+                    if now - p.stopping_since <= lim.drain_s + lim.stop_grace_s + lim.head_lost_s:
+                        continue
                 lost = is_lost(a, p.last, 0.0, self.limits.head_lost_s)
             elif not bound:
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from dataclasses import dataclass
 
@@ -124,6 +125,12 @@ def vllm_argv(cluster: Cluster, node: NodeConfig) -> list[str]:
         ]
         if not node.is_head:
             argv.append("--headless")
+    drain_s = cluster.supervisor.drain_s
+    if node.is_head and drain_s > 0:
+        # On SIGTERM vLLM turns new requests away and lets those in flight finish for this long
+        # (whole seconds: vLLM's option takes an int) before it aborts them; 0 aborts at once.
+        # The supervisor sends that SIGTERM only on a planned stop (dspark.node_policy).
+        argv += ["--shutdown-timeout", str(math.ceil(drain_s))]
     argv += list(s.extra_args)
     return argv
 

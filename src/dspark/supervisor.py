@@ -33,7 +33,7 @@ from .notify import Notifier
 from .probes import Background, VllmProbes, liveness_round, poll_agents, ready_probe
 from .render import Launch, render
 from .signals import SignalQueue
-from .vllm_process import VllmProcess
+from .vllm_process import GROUP_GONE_S, VllmProcess
 
 FAILURES_FILE = "failures.json"
 STOPPED_LINGER_S = 1.5  # how long the agent keeps answering after a clean stop
@@ -250,8 +250,10 @@ class Supervisor:
             elif k == "clear_history":
                 if self.history is not None:
                     self.history.save(0)
+            elif k == "drain":
+                self._drain_vllm(a.detail, a.seconds)
             elif k == "stop":
-                self._stop_vllm(a.detail)
+                self._stop_vllm(a.detail, at_once=a.at_once)
             elif k == "exit":
                 if self.history is not None:
                     if a.history == "clear":
@@ -276,17 +278,35 @@ class Supervisor:
         with self._lock:
             self.state.liveness = live
 
-    def _stop_vllm(self, reason: str) -> None:
+    def _status_line(self) -> str:
+        with self._lock:
+            return f"{self.state.state}: {self.state.detail}" if self.state.detail else self.state.state
+
+    def _drain_vllm(self, signame: str, drain_s: float) -> None:
+        """A planned stop of the serving head: SIGTERM to vLLM's API process alone. Started with
+        --shutdown-timeout (dspark.render), it turns new requests away, lets its engine finish
+        the requests in flight for up to drain_s, then exits; the loop sees the exit. (A SIGTERM
+        to the whole group would reach the TP workers too, and the requests would fail.)"""
+        pid = self.vllm.pid
+        self.say(f"{signame}: draining vLLM (pid {pid}): its requests in flight finish within {drain_s:g} s, "
+                 "new requests are turned away")
+        # The unit is stopping: systemd pauses the watchdog; the stop may take the drain, the
+        # grace after it and the sweep of vLLM's group.
+        self.notify.send(stopping=1, status=self._status_line(),
+                         extend_timeout_usec=int((drain_s + self.sup.stop_grace_s + GROUP_GONE_S + 15) * 1e6))
+        self.vllm.drain()
+
+    def _stop_vllm(self, reason: str, at_once: bool = False) -> None:
+        grace = 0.0 if at_once else self.sup.stop_grace_s
+
         def stopping(pid: int) -> None:
             self.say(f"stopping vLLM (pid {pid}): {reason}")
             # The unit is stopping: systemd pauses the watchdog and gives the stop its time.
-            with self._lock:
-                status = f"{self.state.state}: {self.state.detail}" if self.state.detail else self.state.state
-            self.notify.send(stopping=1, status=status,
-                             extend_timeout_usec=int((self.sup.stop_grace_s + 15) * 1e6))
+            self.notify.send(stopping=1, status=self._status_line(),
+                             extend_timeout_usec=int((grace + GROUP_GONE_S + 15) * 1e6))
 
-        if self.vllm.stop(self.sup.stop_grace_s, stopping):
-            self.say(f"vLLM did not exit within {self.sup.stop_grace_s:g} s; SIGKILL")
+        if self.vllm.stop(grace, stopping) and grace > 0:
+            self.say(f"vLLM did not exit within {grace:g} s; SIGKILL")
         with self._lock:
             self.state.vllm_pid = None
 

@@ -84,9 +84,11 @@ WATCHDOG_S = 10
 # Covers the start until the supervisor's first EXTEND_TIMEOUT_USEC; from then on it extends
 # the start by 90 s every 30 s while the model loads (bounded by ready_timeout_s).
 START_TIMEOUT = "5min"
-# Above the default stop_grace_s (30 s) plus the sweep of vLLM's process group; a larger
-# stop_grace_s is covered by the supervisor's EXTEND_TIMEOUT_USEC when it starts stopping.
-STOP_TIMEOUT_S = 60
+# Above the default drain of a planned stop (drain_s, 60 s) plus the grace after it
+# (stop_grace_s, 30 s), the sweep of vLLM's process group (up to 15 s) and the 1.5 s the agent
+# keeps answering "stopped"; larger settings are covered by the supervisor's
+# EXTEND_TIMEOUT_USEC when it starts draining or stopping.
+STOP_TIMEOUT_S = 120
 RESTART_SEC = 2
 # A safety net only: with the supervisor's backoff (0, 5, 10, 20, ... 300 s) ten starts need
 # more than 15 minutes, so this trips only if the backoff cannot work (state dir unwritable).
@@ -294,8 +296,9 @@ def node_service(role: str, dspark_bin: str, template: bool = False) -> str:
         "Restart=on-failure",
         f"RestartSec={RESTART_SEC}s",
         "RestartPreventExitStatus=2",
-        "# SIGTERM to the supervisor alone: it stops vLLM's process group within stop_grace_s;",
-        "# whatever is left when it exits gets SIGKILL.",
+        "# SIGTERM to the supervisor alone: the head drains its requests in flight (drain_s),",
+        "# then it stops vLLM's process group within stop_grace_s; whatever is left when it",
+        "# exits gets SIGKILL.",
         "KillMode=mixed",
         "# The supervisor reacts to a vLLM process killed by the OOM killer (exit 4, restart).",
         "OOMPolicy=continue",

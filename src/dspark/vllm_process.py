@@ -191,6 +191,16 @@ class VllmProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def drain(self) -> None:
+        """SIGTERM to vLLM's API process alone: its own shutdown stops the engine core (drained
+        when vLLM runs with --shutdown-timeout) and the TP workers in order. Its exit, seen by
+        `poll`, is swept as any other."""
+        if self.proc is not None and not self._swept and self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
     def stop(self, grace_s: float, on_stopping: Callable[[int], None] | None = None) -> bool:
         """SIGTERM vLLM's process group, then SIGKILL after `grace_s`; always sweep the group.
         Returns True when vLLM had to be killed."""

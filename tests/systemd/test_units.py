@@ -91,7 +91,8 @@ def test_node_units_say_what_the_issue_asks():
         assert s["Restart"] == ["on-failure"] and s["RestartPreventExitStatus"] == ["2"]
         assert s["KillMode"] == ["mixed"]
         stop_s = int(s["TimeoutStopSec"][0].rstrip("s"))
-        assert stop_s > SupervisorConfig().stop_grace_s + 10  # vLLM's grace plus the group sweep
+        d = SupervisorConfig()
+        assert stop_s > d.drain_s + d.stop_grace_s + 15  # the head's drain, vLLM's grace, the group sweep
         assert s["TimeoutStartSec"] == [U.START_TIMEOUT]
         for key, value in (("ProtectSystem", "strict"), ("NoNewPrivileges", "yes"), ("PrivateTmp", "yes"),
                            ("PrivateDevices", "no"), ("DevicePolicy", "closed"), ("LimitMEMLOCK", "infinity")):
