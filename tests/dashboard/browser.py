@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,9 @@ def missing_reason() -> str | None:
     return None
 
 
-@pytest.fixture
-def browser():
+@contextmanager
+def chromium():
+    """One headless Chromium session (skips the test where there is none); quit on the way out."""
     reason = missing_reason()
     if reason:
         pytest.skip(reason)
@@ -48,6 +50,12 @@ def browser():
     finally:
         driver.quit()  # ends chromedriver and every Chromium process it started
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def browser():
+    with chromium() as driver:
+        yield driver
 
 
 # What the page shows, read in one go: every panel's value cells, the node cards, the chart.

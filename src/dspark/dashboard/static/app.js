@@ -76,18 +76,26 @@ function renderFields(snap) {
 
 function na(x, f) { return x === null || x === undefined ? "n/a" : f(x); }
 
+// Only the head runs liveness rounds (dspark.liveness): a worker has no proof of its own.
+const WORKER_LIVENESS = "Only the head checks liveness: one vLLM engine spans every rank, so the head's " +
+  "proof of life (progress, or a 1-token probe while idle) covers this worker too; a dead or wedged " +
+  "worker stalls the engine and fails the head's check.";
+
 function nodeCard(n) {
   const card = document.createElement("div");
   card.className = "node";
   card.dataset.node = n.name;
   const h = document.createElement("h3");
-  h.textContent = `${n.name} `;
-  const sub = document.createElement("small");
-  sub.textContent = `rank ${n.rank} · ${n.role}`;
-  h.append(sub);
-  const state = document.createElement("div");
+  h.textContent = n.name;
+  // the state and the node's place in the pair share one line, so neither wraps in a narrow card
+  const row = document.createElement("div");
+  row.className = "staterow";
+  const state = document.createElement("span");
   state.className = "state";
   state.dataset.field = "state";
+  const sub = document.createElement("small");
+  sub.textContent = `rank ${n.rank} · ${n.role}`;
+  row.append(state, sub);
   const detail = document.createElement("div");
   detail.className = "detail";
   detail.dataset.field = "detail";
@@ -102,7 +110,7 @@ function nodeCard(n) {
     td.className = "v";
     td.dataset.field = key;
   }
-  card.append(h, state, detail, table);
+  card.append(h, row, detail, table);
   return card;
 }
 
@@ -126,8 +134,9 @@ function renderNodes(snap) {
       restarts: na(n.restarts, fmt.int),
       vllm_pid: na(n.vllm_pid, String),
       uptime: na(n.uptime_s, fmt.dur),
-      liveness: n.liveness && n.liveness.proof && n.liveness.proof_age_s !== null
-        ? `${n.liveness.proof}, ${fmt.dur(n.liveness.proof_age_s)} ago` : "n/a",
+      liveness: n.role !== "head" ? "via the head"
+        : n.liveness && n.liveness.proof && n.liveness.proof_age_s !== null
+          ? `${n.liveness.proof}, ${fmt.dur(n.liveness.proof_age_s)} ago` : "n/a",
       gpu_temp: na(gpu.temperature_c, (x) => x.toFixed(0) + " °C"),
       gpu_power: na(gpu.power_w, (x) => x.toFixed(1) + " W"),
       gpu_util: na(gpu.utilization_pct, (x) => x.toFixed(0) + " %"),
@@ -136,6 +145,7 @@ function renderNodes(snap) {
     for (const [k, text] of Object.entries(values)) {
       setText(card.querySelector(`[data-field="${k}"]`), text, text === "n/a" || text === "—" ? "none" : undefined);
     }
+    card.querySelector('[data-field="liveness"]').title = n.role === "head" ? "" : WORKER_LIVENESS;
   }
 }
 

@@ -1,0 +1,183 @@
+"""The page at any node count (issue 24 item 2): 2, 4 and 8 nodes at 1,280, 1,600 and 1,920 px
+in Debian's headless Chromium, without the pair: the dashboard's real collector and server, real
+node agents serving wide but real-shaped states (7-digit PIDs, a day of uptime, three-digit
+proof ages, GPU and NVMe readings), and vLLM's /metrics from a captured scrape.
+
+Overflow is read from the DOM, not judged by eye: every value and label must fit its own box
+and its card, every label and value must stay on one line, and the page must not scroll
+sideways. One Chromium session serves all nine combinations (its start is the slow part);
+each combination leaves a screenshot in test-artifacts/."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dspark import agent as A
+from dspark.dashboard import collector as C
+from dspark.dashboard import server as S
+
+from .browser import chromium
+from .helpers import MetricsStandIn, scrape_text
+
+pytestmark = pytest.mark.browser
+
+NODE_COUNTS = (2, 4, 8)
+WIDTHS = (1280, 1600, 1920)
+HEIGHT = 1000
+HARDWARE = {"gpus": [{"name": "NVIDIA GB10", "temperature_c": 71.0, "power_w": 123.4, "utilization_pct": 100.0}],
+            "nvme_temperature_c": 58.0}
+
+# Values (one line, inside their card), labels (one line, inside their card) and free text
+# that may wrap but must stay inside its card. A card is a node card, else a panel, else the header.
+MEASURE = """
+const VALUES = '.v, .state, .badge';
+const LABELS = 'th, td:not(.v), h2, h3, header .meta, .axis > span, .yaxis > span';
+const TEXT = '.detail, .note';
+const card = (e) => e.closest('.node') || e.closest('.panel') || e.closest('header');
+const lines = (e) => {
+  const r = document.createRange(); r.selectNodeContents(e);
+  const tops = [];
+  for (const b of r.getClientRects()) {
+    if (b.width > 0 && !tops.some((t) => Math.abs(t - b.top) < 3)) tops.push(b.top);
+  }
+  return tops.length;
+};
+const describe = (e) => (e.dataset.field || e.dataset.panel || e.tagName.toLowerCase()) + ' "' +
+  e.textContent.trim().slice(0, 40) + '" in ' + ((card(e) && (card(e).dataset.node || card(e).dataset.panel))
+  || (card(e) && card(e).tagName.toLowerCase()) || 'page');
+const out = {clipped: [], outside: [], wrapped: [], checked: 0,
+             scrollWidth: document.scrollingElement.scrollWidth, innerWidth: window.innerWidth,
+             cards: document.querySelectorAll('.node').length};
+const seen = new Set();
+for (const [sel, oneLine] of [[VALUES, true], [LABELS, true], [TEXT, false]]) {
+  for (const e of document.querySelectorAll(sel)) {
+    if (seen.has(e) || e.offsetParent === null || !e.textContent.trim()) continue;  // hidden or empty
+    seen.add(e);
+    out.checked += 1;
+    const b = e.getBoundingClientRect();
+    if (e.clientWidth > 0 && e.scrollWidth > e.clientWidth) out.clipped.push(describe(e) +
+      ` (scrollWidth ${e.scrollWidth} > clientWidth ${e.clientWidth})`);
+    const c = card(e);
+    if (c) {
+      const k = c.getBoundingClientRect();
+      if (b.left < k.left - 0.5 || b.right > k.right + 0.5) out.outside.push(describe(e) +
+        ` (${b.left.toFixed(0)}..${b.right.toFixed(0)} outside ${k.left.toFixed(0)}..${k.right.toFixed(0)})`);
+    }
+    if (oneLine && lines(e) > 1) out.wrapped.push(describe(e) + ` (${lines(e)} lines)`);
+  }
+}
+return out;
+"""
+
+
+def node_states(n: int) -> dict[str, A.NodeState]:
+    now = time.time()
+    states = {}
+    for rank in range(n):
+        name = f"dgx-spark-{rank + 1:02d}"
+        st = A.NodeState(node=name, rank=rank, role="head" if rank == 0 else "worker", state=A.SERVING,
+                         vllm_pid=4_194_300 + rank, vllm_version="0.28.0", restarts=12,
+                         started_at=now - 100_000, state_since=now - 90_000)
+        if rank == 0:
+            st.detail = "serving: API on http://192.168.100.10:8000"
+            st.api_url = "http://192.168.100.10:8000"
+            st.liveness = A.Liveness(ok=True, at=now, proof="progress", proof_at=now - 100,
+                                     proof_detail="generated tokens moved")
+        else:
+            st.detail = "vLLM is in the rendezvous"
+        states[name] = st
+    return states
+
+
+class Dashboard:
+    """n real agents, a collector and a server on loopback."""
+
+    def __init__(self, n: int, metrics_url: str):
+        self.states = node_states(n)
+        # The agent's answer with hardware readings, the shape the collector takes from an agent.
+        self.agents = {name: A.Agent("127.0.0.1", 0, lambda st=st: {**st.snapshot(), "hardware": HARDWARE}).start()
+                       for name, st in self.states.items()}
+        nodes = tuple(C.NodeTarget(name, st.rank, st.role, f"http://127.0.0.1:{self.agents[name].port}")
+                      for name, st in self.states.items())
+        self.collector = C.Collector(C.Targets(metrics_url, nodes, served_name="deepseek-v4-flash",
+                                               liveness_interval_s=5.0), interval_s=0.5, timeout_s=1.0).start()
+        self.server = S.DashboardServer("127.0.0.1", 0, self.collector).start()
+
+    def close(self) -> None:
+        self.server.stop()
+        self.collector.stop()
+        for a in self.agents.values():
+            try:
+                a.stop()
+            except OSError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def session():
+    """One Chromium and one dashboard per node count for the whole module."""
+    metrics = MetricsStandIn(scrape_text("a"))
+    dashboards: dict[int, Dashboard] = {}
+    try:
+        with chromium() as driver:
+            for n in NODE_COUNTS:
+                dashboards[n] = Dashboard(n, metrics.url)
+            yield driver, dashboards
+    finally:
+        for d in dashboards.values():
+            d.close()
+        metrics.close()
+
+
+def show(driver, url: str, width: int, n: int) -> dict:
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": width, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False})
+    driver.get(url)
+    deadline = time.monotonic() + 20
+    while True:
+        state = driver.execute_script(
+            "return {round: Number(document.body.dataset.round || 0), cards: document.querySelectorAll('.node').length,"
+            " pid: (document.querySelector('.node [data-field=vllm_pid]') || {}).textContent || ''};")
+        if state["round"] >= 2 and state["cards"] == n and state["pid"].isdigit():
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the page did not render {n} nodes: {state}")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("nodes", NODE_COUNTS)
+def test_nothing_clipped_wrapped_or_scrolling(session, nodes, width, artifacts_dir):
+    driver, dashboards = session
+    show(driver, dashboards[nodes].server.url, width, nodes)
+    time.sleep(0.6)  # one more round: the figures of a second scrape are in the cells
+    m = driver.execute_script(MEASURE)
+    shot = artifacts_dir / f"dashboard-layout-{nodes}-nodes-{width}px.png"
+    driver.save_screenshot(str(shot))
+    print(f"{nodes} nodes at {width} px: {m['checked']} elements, {len(m['clipped'])} clipped, "
+          f"{len(m['outside'])} outside their card, {len(m['wrapped'])} wrapped, page "
+          f"{m['scrollWidth']} px wide in {m['innerWidth']} px; {shot}")
+    assert m["cards"] == nodes
+    assert m["checked"] > 60, m  # the measure saw the page, not an empty one
+    assert m["innerWidth"] == width
+    problems = m["clipped"] + m["outside"] + m["wrapped"]
+    assert not problems, "\n".join(problems)
+    assert m["scrollWidth"] <= m["innerWidth"], f"the page scrolls sideways: {m['scrollWidth']} px"
+
+
+def test_worker_liveness_says_the_head_proves_it(session):
+    """Only the head runs liveness rounds: a worker's field says so, never a bare "n/a"."""
+    driver, dashboards = session
+    show(driver, dashboards[4].server.url, 1600, 4)
+    cells = driver.execute_script(
+        "return Array.from(document.querySelectorAll('.node')).map(n => {"
+        " const c = n.querySelector('[data-field=liveness]');"
+        " return [n.dataset.node, c.textContent, c.title, c.closest('tr').cells[0].textContent]; });")
+    head, *workers = cells
+    assert head[1].startswith("progress, ") and head[1].endswith(" s ago"), head
+    for name, text, title, label in workers:
+        assert text == "via the head", (name, text)
+        assert "head" in title and "every rank" in title, (name, title)
+    assert {c[3] for c in cells} == {"alive by"}
