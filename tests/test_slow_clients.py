@@ -81,45 +81,56 @@ def healthz(port: int) -> tuple[bool, float]:
     return b" 200 " in data, time.monotonic() - t0
 
 
-@pytest.fixture(params=["agent", "dashboard"])
-def server(request):
-    if request.param == "agent":
+def trickled(kind: str, seconds: float) -> dict:
+    """`seconds` of 200 trickling connections against a fresh agent or dashboard: every 0.3 s
+    one more byte on each, a /healthz (ok, seconds) and, from the agent, a fetch_state answer;
+    the host's time for one /healthz before the load as `base`."""
+    if kind == "agent":
         srv = Agent("127.0.0.1", 0, lambda: SNAP).start()
     else:
         srv = S.DashboardServer("127.0.0.1", 0, C.Collector(C.Targets("http://127.0.0.1:1", ()), timeout_s=0.2)).start()
+    out = {"healthz": [], "fetch_state": []}
     try:
-        yield srv.port
+        out["base"] = max(healthz(srv.port)[1] for _ in range(5))  # this host's time for one answer, unloaded
+        with Tricklers("127.0.0.1", srv.port) as slow:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                slow.step()
+                out["healthz"].append(healthz(srv.port))
+                if kind == "agent":
+                    out["fetch_state"].append(fetch_state(f"http://127.0.0.1:{srv.port}", timeout=2.0))
+                time.sleep(0.3)
     finally:
         srv.stop()
+    return out
 
 
-def test_200_slow_clients_take_no_slot(server):
-    base = max(healthz(server)[1] for _ in range(5))  # this host's time for one answer, unloaded
-    results = []
-    with Tricklers("127.0.0.1", server) as slow:
-        end = time.monotonic() + 25  # past the old per-read timeout (10 s) and the request deadline
-        while time.monotonic() < end:
-            slow.step()
-            results.append(healthz(server))
-            time.sleep(0.3)
+@pytest.fixture(scope="module")
+def under_slow_clients():
+    """One 25 s window of slow clients per server, shared by the tests that read it (past the
+    old per-read timeout, 10 s, and the request deadline)."""
+    runs: dict[str, dict] = {}
+
+    def run(kind: str) -> dict:
+        if kind not in runs:
+            runs[kind] = trickled(kind, 25)
+        return runs[kind]
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["agent", "dashboard"])
+def test_200_slow_clients_take_no_slot(under_slow_clients, kind):
+    run = under_slow_clients(kind)
+    results, base = run["healthz"], run["base"]
     failed = [r for r in results if not r[0]]
     assert len(results) >= 10 and not failed, (len(failed), len(results))
     worst = max(t for _, t in results)
     assert worst < max(5.0, 50 * base), (worst, base)
 
 
-def test_the_agent_answers_fetch_state_under_200_slow_clients():
-    agent = Agent("127.0.0.1", 0, lambda: SNAP).start()
-    try:
-        with Tricklers("127.0.0.1", agent.port) as slow:
-            answers = []
-            end = time.monotonic() + 15
-            while time.monotonic() < end:
-                slow.step()
-                answers.append(fetch_state(f"http://127.0.0.1:{agent.port}", timeout=2.0))
-                time.sleep(0.3)
-    finally:
-        agent.stop()
+def test_the_agent_answers_fetch_state_under_200_slow_clients(under_slow_clients):
+    answers = under_slow_clients("agent")["fetch_state"]
     bad = [a.error for a in answers if a.state is None]
     assert answers and not bad, bad[:3]
 
