@@ -15,7 +15,7 @@ from dspark.agent_client import fetch_state
 from dspark.dashboard import collector as DC
 from dspark.supervisor import EXIT_NEVER_READY
 from hostile import HostileServer, answer, send
-from pairlib import run_dspark
+from dspark_cli import invoke_dspark
 from test_status_hostile import cluster_for, port
 from test_supervisor import serve, write_cluster  # noqa: F401 (serve is a fixture)
 
@@ -49,12 +49,12 @@ def test_status_and_wait_worker_with_hostile_json(tmp_path, name):
     with HostileServer(routes, host="127.0.0.2") as worker, HostileServer(routes) as head, \
             HostileServer(routes) as api:
         path = cluster_for(tmp_path, port(worker), port(head), port(api))
-        r = run_dspark("status", "--config", str(path), "--json", timeout=60)
+        r = invoke_dspark("status", "--config", str(path), "--json")
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
         snap = json.loads(r.stdout)
         assert [n["state"] for n in snap["nodes"]] == ["unreachable", "unreachable"]
         assert snap["api"].get("version") is None
-        r = run_dspark("wait-worker", "--config", str(path), "--timeout", "1", timeout=60)
+        r = invoke_dspark("wait-worker", "--config", str(path), "--timeout", "1")
         assert r.returncode == 1 and "Traceback" not in r.stderr and "is unreachable" in r.stderr, r.stderr[-3000:]
 
 

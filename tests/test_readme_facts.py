@@ -2,11 +2,10 @@
 is the supervisor's, and `dspark render` never reads the API key (the README said it printed
 it as <redacted>)."""
 
-import os
 import re
 from pathlib import Path
 
-from pairlib import run_dspark
+from dspark_cli import invoke_dspark
 
 from dspark.node_policy import BACKOFF_MAX_S, backoff_delay
 
@@ -28,10 +27,10 @@ def test_render_never_reads_the_api_key(tmp_path):
     creds = tmp_path / "creds"
     creds.mkdir()
     (creds / "api-key").write_text("key-from-credential")
-    env = {**os.environ, "DSPARK_API_KEY": "key-from-dspark-env", "VLLM_API_KEY": "key-from-vllm-env",
+    env = {"DSPARK_API_KEY": "key-from-dspark-env", "VLLM_API_KEY": "key-from-vllm-env",
            "CREDENTIALS_DIRECTORY": str(creds)}
     for fmt in ([], ["--json"]):
-        r = run_dspark("render", "--config", str(cluster), "--node", "a", *fmt, env=env)
+        r = invoke_dspark("render", "--config", str(cluster), "--node", "a", *fmt, env=env)
         assert r.returncode == 0, r.stderr
         assert "key-from" not in r.stdout and "<redacted>" not in r.stdout, r.stdout
     assert "prints it as `<redacted>`" not in README

@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from pairlib import dspark_cmd, run_dspark
+from dspark_cli import invoke_dspark
+from pairlib import dspark_cmd
 from test_supervisor import STANDIN, free_port, serve, write_cluster  # noqa: F401 (serve: a fixture)
 
 from dspark import config as C
@@ -19,7 +20,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "cluster-two-node.toml"
 def test_wait_worker_times_out_with_a_clear_message(tmp_path):
     cluster = write_cluster(tmp_path, nodes=2)
     t0 = time.monotonic()
-    r = run_dspark("wait-worker", "--config", str(cluster), "--timeout", "1.5")
+    r = invoke_dspark("wait-worker", "--config", str(cluster), "--timeout", "1.5")
     took = time.monotonic() - t0
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "worker not ready after 1.5 s: w at http://127.0.0.2:" in r.stderr and "is unreachable" in r.stderr
@@ -28,12 +29,12 @@ def test_wait_worker_times_out_with_a_clear_message(tmp_path):
 
 def test_status_when_nothing_runs(tmp_path):
     cluster = write_cluster(tmp_path, nodes=2)
-    r = run_dspark("status", "--config", str(cluster), "--json")
+    r = invoke_dspark("status", "--config", str(cluster), "--json")
     assert r.returncode == 1
     snap = json.loads(r.stdout)
     assert snap["serving"] is False and snap["api"]["health"] is None
     assert [n["state"] for n in snap["nodes"]] == ["unreachable", "unreachable"]
-    r = run_dspark("status", "--config", str(cluster))
+    r = invoke_dspark("status", "--config", str(cluster))
     assert r.returncode == 1 and "pair: NOT SERVING" in r.stdout
 
 
@@ -61,7 +62,7 @@ def test_wait_worker_waits_for_every_worker_and_names_the_missing_one(tmp_path, 
     for name in ("w1", "w3"):
         serve(cluster, name).read(until="READY=1")  # READY=1: its vLLM waits in the rendezvous
     # Bounded: it gives up naming w2 alone (w1 and w3 are where they should be).
-    r = run_dspark("wait-worker", "--config", str(cluster), "--timeout", "2")
+    r = invoke_dspark("wait-worker", "--config", str(cluster), "--timeout", "2")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     w2_url = C.load(cluster).node("w2").agent_url
     assert f"worker not ready after 2 s: w2 at {w2_url} is unreachable;" in r.stderr, r.stderr

@@ -12,7 +12,7 @@ import pytest
 from dspark import config as C
 from dspark.supervisor import EXIT_DIED
 from hostile import HostileServer, answer, send
-from pairlib import run_dspark
+from dspark_cli import invoke_dspark
 from test_supervisor import alive, serve, write_cluster  # noqa: F401 (serve is a fixture)
 
 
@@ -37,11 +37,11 @@ def test_status_and_wait_worker_with_a_non_object_agent(tmp_path, body):
     with HostileServer(routes, host="127.0.0.2") as worker, HostileServer(routes) as head, \
             HostileServer(routes) as api:
         path = cluster_for(tmp_path, port(worker), port(head), port(api))
-        r = run_dspark("status", "--config", str(path), "--json", timeout=60)
+        r = invoke_dspark("status", "--config", str(path), "--json")
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         snap = json.loads(r.stdout)
         assert [n["state"] for n in snap["nodes"]] == ["unreachable", "unreachable"]
-        r = run_dspark("wait-worker", "--config", str(path), "--timeout", "1", timeout=60)
+        r = invoke_dspark("wait-worker", "--config", str(path), "--timeout", "1")
         assert r.returncode == 1 and "Traceback" not in r.stderr and "is unreachable" in r.stderr, r.stderr
 
 
