@@ -174,8 +174,10 @@ def test_every_b12x_caller_of_the_tile_selector_drops_its_blocks_per_sm():
     its constructor (``_determine_blocks_per_sm``)."""
     root = contract.source_root()
     calls = []
-    for path in sorted((root / "b12x").rglob("*.py")):
-        tree = ast.parse(path.read_text())
+    # Each file parsed once; a file without the name in its text can neither call nor name it.
+    texts = [(path, path.read_text()) for path in sorted((root / "b12x").rglob("*.py"))]
+    trees = [(path, ast.parse(text)) for path, text in texts if "_select_tile_config" in text]
+    for path, tree in trees:
         for node in ast.walk(tree):
             if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
                 continue
@@ -190,8 +192,8 @@ def test_every_b12x_caller_of_the_tile_selector_drops_its_blocks_per_sm():
             calls.append((path.name, node.lineno))
     # Any other use of the selector (an expression statement, an argument) would not be an
     # Assign; count every reference to be sure none escaped the check above.
-    refs = [(p.name, n.lineno) for p in sorted((root / "b12x").rglob("*.py"))
-            for n in ast.walk(ast.parse(p.read_text()))
+    refs = [(p.name, n.lineno) for p, tree in trees
+            for n in ast.walk(tree)
             if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None))
             == "_select_tile_config"]
     assert calls and sorted(calls) == sorted(refs), (calls, refs)
