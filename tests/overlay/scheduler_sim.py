@@ -143,7 +143,11 @@ def run_case(case: dict, model_dir: Path) -> dict:
     decode = min(int(case.get("decode", 1024)), length - 1)
     prompt = length - decode
     for i in range(n):
-        tokens = [(i * 7919 + j) % 120000 + 1 for j in range(prompt)]
+        # (i * 7919 + j) % 120000 + 1 for j in range(prompt), built from one rotated cycle
+        # (a list per token took about 7% of the simulation's time).
+        start = (i * 7919) % 120000
+        cycle = list(range(start + 1, 120001)) + list(range(1, start + 1))
+        tokens = (cycle * (prompt // 120000 + 1))[:prompt]
         sp = SamplingParams(max_tokens=decode, ignore_eos=True, min_tokens=decode)
         sched.add_request(Request(f"r{i}", tokens, sp, None))
     reqs = dict(sched.requests)
