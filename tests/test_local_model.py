@@ -124,8 +124,8 @@ def test_chat_template_renders_a_conversation(which, request):
     ids = tok.encode(text, add_special_tokens=False)  # how vLLM tokenizes a rendered chat
     assert ids[:2] == [0, 2] and ids[-2:] == [4, tok.encode("\n", add_special_tokens=False)[0]]
     assert ids.count(1) == 4 and ids.count(3) == 2 and ids.count(4) == 2
-    with pytest.raises(Exception, match="system, user and assistant"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="system, user, assistant and tool, not developer"):
+        tok.apply_chat_template([{"role": "developer", "content": "x"}], tokenize=False)
 
 
 # --- one real vLLM server on the written directory ----------------------------------------------

@@ -93,7 +93,16 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
                  nodes: int = DEFAULT_NODES) -> dict:
     check_nodes(nodes)
     node_common = {"agent_port": ports.agent, "master_port": ports.master}
-    extra = [] if compile else ["--optimization-level", "0"]  # skip torch.compile: minutes on 2 cores
+    # Tool calls as the tiny model's chat template writes them (local_model.TOOL_CALL_PARSER,
+    # `hermes`); the GB10 defaults use the DeepSeek V4 parsers (config.SEED_EXTRA_ARGS). A named
+    # or `required` tool choice is forced by a JSON schema; random weights given free whitespace
+    # inside it fill max_tokens with blanks, so the local JSON is compact (xgrammar: a backend
+    # that has the switch; vLLM applies it to plain JSON schemas only, not to the structural
+    # tags of its strict tool calling, which is turned off in the env below).
+    extra = ["--enable-auto-tool-choice", "--tool-call-parser", local_model.TOOL_CALL_PARSER,
+             "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+    if not compile:
+        extra += ["--optimization-level", "0"]  # skip torch.compile: minutes on 2 cores
     return {
         "model": {"path": str(workdir / "model"), "served_name": SERVED_NAME, "trust_remote_code": False},
         "serving": {
@@ -116,7 +125,7 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
             "load_format": "dummy",
             "skip_tokenizer_init": False,  # the tiny model has a tokenizer and a chat template
             "extra_args": extra,
-            "env": {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)},
+            "env": {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
         },
         # The tiny model's engine steps take milliseconds, a loaded two-core host's a few seconds:
         # 30 s of nothing moving while requests wait is a wedge here (GB10's default is 180 s).

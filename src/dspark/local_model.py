@@ -10,6 +10,8 @@ eos), then one token per chat role. The chat template renders
     <s><|system|>\\nYou are terse.</s><|user|>\\nHello</s><|assistant|>\\n
 
 (`add_generation_prompt` adds the last `<|assistant|>\\n`); the model's turn ends with `</s>`.
+With `tools` it also lists them and asks for `<tool_call>` JSON, what vLLM's `hermes`
+tool-call parser reads (CHAT_TEMPLATE, TOOL_CALL_PARSER).
 """
 
 from __future__ import annotations
@@ -44,18 +46,46 @@ ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assis
 # In id order: bos 0, eos 1 (TINY_MODEL's bos_token_id / eos_token_id), then the roles 2, 3, 4.
 SPECIAL_TOKENS = (BOS, EOS, *ROLE_TOKENS.values())
 
-# Each turn: its role token, a newline, the text, then eos. Other roles (tool, developer) are
+# Each turn: its role token, a newline, the text, then eos. With `tools`, a first system turn
+# lists them (one JSON object a line within <tools></tools>, after the system prompt if there is
+# one) and says how to call one: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, the
+# form vLLM's `hermes` tool-call parser reads (TOOL_CALL_PARSER). An assistant turn's tool
+# calls are written that way; a tool's answer is a user turn within <tool_response> tags (no
+# role token of its own: the tokenizer stays as it is). Other roles (developer, ...) are
 # refused with vLLM's HTTP 400 rather than rendered as something the model was never shown.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-    "{{- raise_exception('dspark-local chat roles are system, user and assistant, not ' + message['role']) -}}"
+    "{%- if tools -%}"
+    "{{- '<|system|>\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{- (messages[0]['content'] or '') + '\\n\\n' -}}{%- endif -%}"
+    "{{- 'You may call functions. Their signatures, one JSON object a line, are within <tools></tools>:\\n<tools>\\n' -}}"
+    "{%- for tool in tools -%}{{- (tool | tojson) + '\\n' -}}{%- endfor -%}"
+    "{{- '</tools>\\nTo call one, answer with its name and arguments as a JSON object within <tool_call></tool_call> "
+    "tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>' + eos_token -}}"
     "{%- endif -%}"
-    "{{- '<|' + message['role'] + '|>\\n' + (message['content'] or '') + eos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- set role = message['role'] -%}"
+    "{%- if role not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{- raise_exception('dspark-local chat roles are system, user, assistant and tool, not ' + role) -}}"
+    "{%- elif role == 'tool' -%}"
+    "{{- '<|user|>\\n<tool_response>\\n' + (message['content'] or '') + '\\n</tool_response>' + eos_token -}}"
+    "{%- elif not (tools and loop.first and role == 'system') -%}"
+    "{{- '<|' + role + '|>\\n' + (message['content'] or '') -}}"
+    "{%- if role == 'assistant' and message.tool_calls is defined and message.tool_calls -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' -}}"
+    "{{- (fn.arguments if fn.arguments is string else (fn.arguments | tojson)) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- eos_token -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
 )
+# vLLM's tool-call parser that reads what CHAT_TEMPLATE asks for (vllm/tool_parsers/
+# hermes_tool_parser.py: JSON within <tool_call></tool_call>). The GB10 pair uses deepseek_v4.
+TOOL_CALL_PARSER = "hermes"
 
 FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
