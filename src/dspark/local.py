@@ -83,15 +83,38 @@ def memory_per_node_gib(nodes: int = DEFAULT_NODES) -> float:
     return 4.0
 
 
-def vllm_command() -> list[str]:
-    """vLLM's CLI from the same environment as this dspark."""
-    exe = Path(sys.executable).parent / "vllm"
-    return [str(exe)] if exe.exists() else ["vllm"]
+# Where the other runtime lines' CPU builds are installed, one virtual environment each, beside
+# this dspark's own (.ci/setup: .venv-lines/<line>/ beside .venv/); DSPARK_LINES_DIR overrides.
+LINES_DIR_ENV = "DSPARK_LINES_DIR"
+
+
+def lines_dir() -> Path:
+    return Path(os.environ.get(LINES_DIR_ENV) or Path(sys.prefix).parent / ".venv-lines")
+
+
+def vllm_command(line: str | None = None) -> list[str]:
+    """vLLM's CLI of a runtime line: the default line's is the one in this dspark's own environment
+    (the CPU build of the release the default line pins); another line's is in its own virtual
+    environment under lines_dir(). Every installed line stays there side by side."""
+    from . import runtime_lines
+
+    lines = runtime_lines.load()
+    if line is None or line == lines.default:
+        exe = Path(sys.executable).parent / "vllm"
+        return [str(exe)] if exe.exists() else ["vllm"]
+    if line not in lines.lines:
+        raise LocalError(runtime_lines.unknown_line_message(line, lines).replace("serving.runtime_line", "--line"))
+    exe = lines_dir() / line / "bin" / "vllm"
+    if not exe.exists():
+        raise LocalError(f"runtime line {line} (vLLM {lines.lines[line].vllm}) is not installed here: no {exe}; "
+                         f".ci/setup installs its CPU build there ({LINES_DIR_ENV} names another folder)")
+    return [str(exe)]
 
 
 def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = False,
-                 nodes: int = DEFAULT_NODES) -> dict:
+                 nodes: int = DEFAULT_NODES, line: str | None = None) -> dict:
     check_nodes(nodes)
+    command = vllm_command(line)  # refuses a line that is not installed, before anything is written
     node_common = {"agent_port": ports.agent, "master_port": ports.master}
     # Tool calls as the tiny model's chat template writes them (local_model.TOOL_CALL_PARSER,
     # `hermes`); the GB10 defaults use the DeepSeek V4 parsers (config.SEED_EXTRA_ARGS). A named
@@ -106,7 +129,8 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
     return {
         "model": {"path": str(workdir / "model"), "served_name": SERVED_NAME, "trust_remote_code": False},
         "serving": {
-            "vllm_command": vllm_command(),
+            "vllm_command": command,
+            **({"runtime_line": line} if line is not None else {}),
             "tensor_parallel_size": nodes,
             "gpus_per_node": 1,
             "usable_memory_gib": memory_per_node_gib(nodes),
@@ -141,10 +165,10 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
 
 
 def prepare(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = False,
-            nodes: int = DEFAULT_NODES) -> Path:
+            nodes: int = DEFAULT_NODES, line: str | None = None) -> Path:
     """Write the tiny model and the cluster file under `workdir`; return the cluster file."""
     workdir = workdir.resolve()
-    data = cluster_dict(workdir, ports, compile, nodes)  # refuses a node count before anything is written
+    data = cluster_dict(workdir, ports, compile, nodes, line)  # refuses a node count before anything is written
     local_model.write(workdir / "model")
     C.from_dict(data)  # the generated file must pass the same validation as a hand-written one
     path = workdir / "cluster.toml"
@@ -289,13 +313,15 @@ def preflight(cluster: C.Cluster, node: C.NodeConfig, progress: Progress, host=N
 
 def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = print,
        compile: bool = False, on_ready: Callable[[Pair], None] | None = None, check_host=None,
-       nodes: int = DEFAULT_NODES) -> int:
+       nodes: int = DEFAULT_NODES, line: str | None = None) -> int:
     """Bring the appliance up, report, and supervise until Ctrl-C / SIGTERM; always stop every
     node. Each node is checked (`dspark check`) right before it starts; `check_host`: where the
-    checks look (dspark.preflight.Host; default this machine)."""
+    checks look (dspark.preflight.Host; default this machine). `line`: the runtime line every
+    node runs (default: the default line, this environment's vLLM)."""
     check_nodes(nodes)  # before the ports: a count the model cannot take is the first thing to say
+    vllm_command(line)  # a line that is not installed: said before the ports are looked at
     check_ports_free(ports, nodes)
-    cluster_file = prepare(workdir, ports, compile, nodes)
+    cluster_file = prepare(workdir, ports, compile, nodes, line)
     cluster = C.load(cluster_file)
     head, workers = cluster.head, cluster.workers
     pair = Pair(cluster_file, workdir.resolve())
@@ -318,6 +344,7 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
     t0 = time.monotonic()
     try:
         progress(f"dspark local: cluster {cluster_file}; [times] are seconds since local up started")
+        progress(f"runtime line {cluster.serving.runtime_line}: {' '.join(cluster.serving.vllm_command)}")
         for w in workers:
             progress(f"checking {w.name} (rank {w.rank}, {w.address})")
             preflight(cluster, w, progress, check_host)

@@ -131,6 +131,7 @@ class NodePolicy:
     failures: int = 0                     # consecutive failed runs before this one
     last_failure: str = ""
     track_history: bool = False
+    runtime_line: str | None = None       # the runtime line this node runs (the cluster file's)
 
     def __post_init__(self) -> None:
         self.phase = "init"
@@ -274,6 +275,9 @@ class NodePolicy:
         """The head starts vLLM only once every worker's agent reports the rendezvous."""
         self._extend(out, now)
         if ev.peers is not None:
+            other = self._other_line(ev.peers)
+            if other is not None:
+                return self._end(out, EXIT_NEVER_READY, S.FAILED, other)
             waiting = []
             for p in self.peers:
                 a = ev.peers.get(p.name)
@@ -295,6 +299,19 @@ class NodePolicy:
         elif "peers" not in ev.running:
             out.append(Action("poll_peers"))  # the last poll ended without an answer (never here)
         return out
+
+    def _other_line(self, answers: dict[str, AgentAnswer]) -> str | None:
+        """Why the head refuses to form the pair: a worker that reports another runtime line
+        (one vLLM engine cannot span two releases). A worker that reports none (an older dspark)
+        is left to `dspark check`'s comparison of the runtimes."""
+        for p in self.peers:
+            a = answers.get(p.name)
+            theirs = (a.state or {}).get("runtime_line") if a is not None else None
+            if self.runtime_line and isinstance(theirs, str) and theirs and theirs != self.runtime_line:
+                return (f"refusing to form the pair on two runtime lines: {p.name} runs {theirs}, this head "
+                        f"runs {self.runtime_line}; put every node on one line (serving.runtime_line in the "
+                        "same cluster file on every node), then restart the workers first")
+        return None
 
     def _running(self, out: list[Action], now: float, ev: Events) -> list[Action]:
         lim = self.limits

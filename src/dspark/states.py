@@ -54,6 +54,7 @@ class NodeState:
     liveness: Liveness | None = None
     api_url: str | None = None
     dspark_version: str = __version__
+    runtime_line: str | None = None  # the runtime line this node runs (serving.runtime_line)
     # What `dspark check` on a peer compares (dspark.preflight.peer.local_identity): the cluster
     # file's SHA-256, the model directory's fingerprint, vLLM's version and sources' SHA-256.
     identity: dict | None = None

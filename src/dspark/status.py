@@ -32,6 +32,11 @@ def wait_for_workers(
         for w in cluster.workers:
             s = agent_state(w.agent_url, timeout=min(2.0, poll_s * 4))
             last[w.name] = (s or {}).get("state", "unreachable")
+            theirs, mine = (s or {}).get("runtime_line"), cluster.serving.runtime_line
+            if isinstance(theirs, str) and theirs and theirs != mine:
+                return False, (f"{w.name} runs runtime line {theirs}, this cluster file says {mine}: "
+                               "a pair does not form on two lines; put every node on one line "
+                               "(serving.runtime_line in the same cluster file on every node)")
             if last[w.name] not in states:
                 waiting.append(w.name)
         if not waiting:
@@ -52,6 +57,7 @@ def collect(cluster: Cluster, token: str | None = None) -> dict:
         s = agent_state(n.agent_url)
         nodes.append({"name": n.name, "rank": n.rank, "agent": n.agent_url, "reachable": s is not None,
                       "state": (s or {}).get("state", "unreachable"), "detail": (s or {}).get("detail", ""),
+                      "runtime_line": (s or {}).get("runtime_line"),
                       "vllm_pid": (s or {}).get("vllm_pid"), "vllm_version": (s or {}).get("vllm_version"),
                       "restarts": (s or {}).get("restarts"), "uptime_s": (s or {}).get("uptime_s"),
                       "liveness": (s or {}).get("liveness")})
@@ -66,10 +72,10 @@ def collect(cluster: Cluster, token: str | None = None) -> dict:
 
 
 def render_table(snap: dict) -> str:
-    rows = [("NODE", "RANK", "STATE", "VLLM PID", "RESTARTS", "UPTIME", "DETAIL")]
+    rows = [("NODE", "RANK", "STATE", "LINE", "VLLM PID", "RESTARTS", "UPTIME", "DETAIL")]
     for n in snap["nodes"]:
         up = n["uptime_s"]
-        rows.append((n["name"], str(n["rank"]), n["state"], str(n["vllm_pid"] or "-"),
+        rows.append((n["name"], str(n["rank"]), n["state"], n.get("runtime_line") or "-", str(n["vllm_pid"] or "-"),
                      str(n["restarts"] if n["restarts"] is not None else "-"),
                      f"{up:.0f}s" if up is not None else "-", n["detail"]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]

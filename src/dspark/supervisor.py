@@ -124,7 +124,8 @@ class Supervisor:
         self.probes = VllmProbes(node.api_url, cluster.model.served_name, api_key)
         self.state = S.NodeState(node=node.name, rank=node.rank, role="head" if node.is_head else "worker",
                                  restarts=_count_start(state_dir),
-                                 api_url=cluster.head.api_url if node.is_head else None)
+                                 api_url=cluster.head.api_url if node.is_head else None,
+                                 runtime_line=cluster.serving.runtime_line)
         import threading
 
         self._lock = threading.Lock()
@@ -134,7 +135,8 @@ class Supervisor:
                               fresh_s=self.sup.liveness_interval_s + self.sup.liveness_timeout_s)
         self.policy = NodePolicy(is_head=node.is_head, limits=Limits.of(self.sup), judge=judge, peers=peers,
                                  api_url=node.api_url, watchdog_s=self.notify.watchdog_interval,
-                                 track_history=self.history is not None)
+                                 track_history=self.history is not None,
+                                 runtime_line=cluster.serving.runtime_line)
         wake = self.signals.wake
         self._ready_probe: Background = Background("ready-probe", wake)
         self._round: Background = Background("liveness-round", wake)

@@ -119,7 +119,7 @@ def model_fingerprint(model_path: str) -> str | None:
 
 def local_identity(cluster: Cluster) -> dict:
     return {"cluster_sha256": cluster_sha256(cluster.source), "model_sha256": model_fingerprint(cluster.model.path),
-            **runtime_identity(cluster.serving.vllm_command)}
+            "runtime_line": cluster.serving.runtime_line, **runtime_identity(cluster.serving.vllm_command)}
 
 
 # ------------------------------------------------------------------------------ ports
@@ -310,6 +310,7 @@ def check_peers(cluster: Cluster, node: NodeConfig, mine: dict, starting: bool =
                             "install the same dspark on every node"))
         else:
             out += _compare(name, peer.name, mine, theirs)
+        out += _compare_line(name, peer.name, mine.get("runtime_line"), s.get("runtime_line") or theirs.get("runtime_line"))
         if s.get("dspark_version") and s.get("dspark_version") != _dspark_version():
             out.append(warn(f"{name}.dspark", f"{peer.name} runs dspark {s.get('dspark_version')}, this node "
                             f"{_dspark_version()}", "install the same dspark on every node"))
@@ -330,6 +331,22 @@ def _dspark_version() -> str:
     from .. import __version__
 
     return __version__
+
+
+def _compare_line(name: str, peer: str, mine: str | None, theirs: str | None) -> list[Check]:
+    """The runtime line each node runs: one pair, one line (an engine cannot span two releases)."""
+    label = f"{name}.line"
+    theirs = theirs if isinstance(theirs, str) and theirs else None
+    if not mine and not theirs:
+        return []  # neither side names one (identities from before runtime lines): the runtime row compares
+    if not mine or not theirs:
+        return [warn(label, f"runtime line not known on {'this node' if not mine else peer} (an older dspark?)",
+                     "install the same dspark on every node")]
+    if mine != theirs:
+        return [fail(label, f"{peer} runs runtime line {theirs}, this node {mine}: a pair does not form on two lines",
+                     "put every node on one line: the same serving.runtime_line (the same cluster file) on "
+                     "every node, then restart the workers first, the head last")]
+    return [ok(label, f"same runtime line as {peer}: {mine}")]
 
 
 def _compare(name: str, peer: str, mine: dict, theirs: dict) -> list[Check]:
