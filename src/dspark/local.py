@@ -220,8 +220,9 @@ class Pair:
 
     def stop(self, grace_s: float = 40.0, head_s: float = 0.0) -> None:
         """SIGTERM the head's supervisor and wait up to `head_s` for it (it drains the requests
-        in flight, which need the workers' ranks); then SIGTERM the workers' and wait up to
-        `grace_s` for every one; SIGKILL their groups if they overstay."""
+        in flight, which need the workers' ranks); then SIGTERM every supervisor still running
+        (a second SIGTERM ends a head's drain at once) and wait up to `grace_s` for every one;
+        SIGKILL their groups if they overstay."""
         head = self.procs.get(HEAD_NAME)
         if head is not None and head.poll() is None:
             head.send_signal(signal.SIGTERM)
@@ -341,6 +342,7 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
     drain = (f"the head first: its requests in flight finish within {cluster.supervisor.drain_s:g} s"
              if cluster.supervisor.drain_s > 0 else "the head first")
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    planned = False
     t0 = time.monotonic()
     try:
         progress(f"dspark local: cluster {cluster_file}; [times] are seconds since local up started")
@@ -384,14 +386,18 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
                                      f"{pair.workdir / 'logs' / (name + '.log')}")
             time.sleep(0.5)
         progress(f"stopping {everyone} ({drain}) ...")
+        planned = True
         return 0
     except KeyboardInterrupt:
         progress(f"stopping {everyone} ({drain}) ...")
+        planned = True
         return 130
     finally:
-        # The head first: it drains (drain_s), then vLLM has stop_grace_s and its sweep.
+        # A planned stop: the head first, which drains (drain_s), then vLLM has stop_grace_s and
+        # its sweep. After a fault (a supervisor exited: the pair is broken) every node at once:
+        # Pair.stop's second SIGTERM to a head still draining stops it at once.
         sup = cluster.supervisor
-        pair.stop(head_s=sup.drain_s + sup.stop_grace_s + 30)
+        pair.stop(head_s=sup.drain_s + sup.stop_grace_s + 30 if planned else 0.0)
         for s, h in old.items():
             signal.signal(s, h)
         progress("stopped; no process left behind" if all(p.poll() is not None for p in pair.procs.values())
