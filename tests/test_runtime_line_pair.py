@@ -41,11 +41,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def write_cluster(tmp_path: Path, name: str, head_agent: int, worker_agent: int, line: str | None) -> C.Cluster:
+def write_cluster(tmp_path: Path, name: str, head_agent: int, worker_agent: int, line: str | None,
+                  command: list[str] | None = None) -> C.Cluster:
     path = tmp_path / name
     (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_MODEL))
-    serving = {"vllm_command": [sys.executable, "-m", "vllm.entrypoints.cli.main"], "load_format": "dummy"}
+    serving = {"vllm_command": command or [sys.executable, "-m", "vllm.entrypoints.cli.main"],
+               "load_format": "dummy"}
     if line is not None:  # the CPU pair's stock names, which every line has
         serving.update(runtime_line=line, kv_cache_dtype="auto", moe_backend="auto")
     data = {"model": {"path": str(tmp_path / "model")}, "serving": serving,
@@ -221,3 +223,20 @@ def test_real_pair_on_the_second_line_serves(tmp_path):
     finally:
         pair.stop()
         kill_leftovers(pair.workdir)
+
+
+# ------------------------------------------------------------------------------ the line's runtime
+def test_check_fails_when_the_command_runs_another_lines_release(tmp_path):
+    """The cluster file says v0.29.0 but its vllm_command is .venv's vLLM 0.28.0: `dspark check`
+    fails runtime.line naming both releases (the identity is read from the real install)."""
+    port_h, port_w = free_port(), free_port("127.0.0.2")
+    wrong = write_cluster(tmp_path, "wrong.toml", port_h, port_w, SECOND)
+    got = {c.name: c for c in P.check_runtime_line(wrong, P.local_identity(wrong))}["runtime.line"]
+    assert got.status == "fail" and "0.29.0" in got.seen and "0.28.0" in got.seen, got
+    right = write_cluster(tmp_path, "right.toml", port_h, port_w, None)
+    got = {c.name: c for c in P.check_runtime_line(right, P.local_identity(right))}["runtime.line"]
+    assert got.status == "ok" and "v0.28.0" in got.seen, got
+    if second_line_vllm().exists():
+        fixed = write_cluster(tmp_path, "fixed.toml", port_h, port_w, SECOND, [str(second_line_vllm())])
+        got = {c.name: c for c in P.check_runtime_line(fixed, P.local_identity(fixed))}["runtime.line"]
+        assert got.status == "ok" and SECOND in got.seen, got

@@ -134,6 +134,7 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
         report.checks.append(ok("runtime", f"vLLM {identity.get('vllm_version') or '?'}, sources "
                                 f"{(identity.get('vllm_sources_sha256') or '?')[:12]} "
                                 f"({identity.get('vllm_sources_files', 0)} files)"))
+        report.checks += P.check_runtime_line(cluster, identity)
     if host.peers:
         add(_guard("peer", lambda: P.check_peers(cluster, node, identity, host.starting)))
     return report

@@ -122,6 +122,25 @@ def local_identity(cluster: Cluster) -> dict:
             "runtime_line": cluster.serving.runtime_line, **runtime_identity(cluster.serving.vllm_command)}
 
 
+def check_runtime_line(cluster: Cluster, identity: dict) -> list[Check]:
+    """The runtime that serving.vllm_command runs is the release of serving.runtime_line: the
+    cluster file's settings are rendered to that line's flags and names, which another release
+    may not have, or may mean otherwise."""
+    from .. import runtime_lines
+
+    line_id = cluster.serving.runtime_line
+    line = runtime_lines.load().lines.get(line_id)
+    found = identity.get("vllm_version")
+    if line is None or not isinstance(found, str) or not found:
+        return []  # an unknown line is refused with the cluster file; an unidentified runtime is warned of
+    if found.split("+", 1)[0] != line.vllm:
+        return [fail("runtime.line", f"serving.runtime_line is {line_id} (vLLM {line.vllm}), but "
+                     f"serving.vllm_command ({cluster.serving.vllm_command[0]}) runs vLLM {found}",
+                     f"point serving.vllm_command at line {line_id}'s runtime, or set serving.runtime_line "
+                     "to the line of the runtime installed")]
+    return [ok("runtime.line", f"runtime line {line_id}: vLLM {found}")]
+
+
 # ------------------------------------------------------------------------------ ports
 def _proc_net_address(hexaddr: str) -> str:
     """An address of /proc/net/tcp{,6}: 32-bit words in the host's byte order, in hex."""
