@@ -199,6 +199,7 @@ def test_local_cluster_file_names_the_line_and_its_vllm(tmp_path):
     assert C.load(local.prepare(tmp_path / "d")).serving.runtime_line == runtime_lines.load().default
 
 
+@pytest.mark.pair
 @pytest.mark.skipif(not second_line_vllm().exists(),
                     reason=f"runtime line {SECOND}'s CPU build is not installed ({second_line_vllm()}); "
                            ".ci/setup installs it")
