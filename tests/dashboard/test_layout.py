@@ -15,11 +15,13 @@ import time
 import pytest
 
 from dspark import agent as A
+from dspark import vllm_facts as F
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
 from .browser import chromium
 from .helpers import MetricsStandIn, scrape_text
+from .test_percentiles import IDLE_PROBES, metrics_text
 
 pytestmark = pytest.mark.browser
 
@@ -124,7 +126,7 @@ def session():
         with chromium() as driver:
             for n in NODE_COUNTS:
                 dashboards[n] = Dashboard(n, metrics.url)
-            yield driver, dashboards
+            yield driver, dashboards, metrics
     finally:
         for d in dashboards.values():
             d.close()
@@ -150,7 +152,7 @@ def show(driver, url: str, width: int, n: int) -> dict:
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("nodes", NODE_COUNTS)
 def test_nothing_clipped_wrapped_or_scrolling(session, nodes, width, artifacts_dir):
-    driver, dashboards = session
+    driver, dashboards, _ = session
     show(driver, dashboards[nodes].server.url, width, nodes)
     time.sleep(0.6)  # one more round: the figures of a second scrape are in the cells
     m = driver.execute_script(MEASURE)
@@ -169,7 +171,7 @@ def test_nothing_clipped_wrapped_or_scrolling(session, nodes, width, artifacts_d
 
 def test_worker_liveness_says_the_head_proves_it(session):
     """Only the head runs liveness rounds: a worker's field says so, never a bare "n/a"."""
-    driver, dashboards = session
+    driver, dashboards, _ = session
     show(driver, dashboards[4].server.url, 1600, 4)
     cells = driver.execute_script(
         "return Array.from(document.querySelectorAll('.node')).map(n => {"
@@ -181,3 +183,28 @@ def test_worker_liveness_says_the_head_proves_it(session):
         assert text == "via the head", (name, text)
         assert "head" in title and "every rank" in title, (name, title)
     assert {c[3] for c in cells} == {"alive by"}
+
+
+def test_idle_latency_cells_say_what_the_buckets_prove(session, artifacts_dir):
+    """Twelve ~22 ms liveness probes in the window, all in vLLM's first end-to-end bucket (0-300 ms):
+    the mean is exact, and the median reads as the bound the buckets and that mean prove (at most
+    twice the mean), no longer a 150 ms median beside a 22.1 ms mean."""
+    driver, dashboards, metrics = session
+    metrics.text = metrics_text({F.E2E: [2.84]})
+    show(driver, dashboards[2].server.url, 1280, 2)
+    col, deadline = dashboards[2].collector, time.monotonic() + 15
+    seen = col.rounds
+    while col.rounds < seen + 2:  # the window starts at a scrape of this text (a reset: it replaced the capture)
+        assert time.monotonic() < deadline, "the collector did not scrape"
+        time.sleep(0.1)
+    metrics.text = metrics_text({F.E2E: [2.84] + IDLE_PROBES})
+    deadline = time.monotonic() + 15
+    read = ("const c = document.querySelectorAll('[data-panel=latency] tr')[3].cells;"
+            " return [c[1].textContent, c[2].textContent, c[3].textContent, c[2].title];")
+    while (cells := driver.execute_script(read))[0] != "22.1 ms":
+        assert time.monotonic() < deadline, cells
+        time.sleep(0.2)
+    driver.save_screenshot(str(artifacts_dir / "dashboard-latency-idle-probes.png"))
+    mean, p50, p95, title = cells
+    assert p50 == "≤ 44.2 ms" and p95 == "≤ 265.2 ms", cells
+    assert "bucket 0.0–300.0 ms (width 300.0 ms), 12 requests" in title, title

@@ -257,7 +257,8 @@ class Collector:
                 "requests": {"running": g.get(F.RUNNING), "waiting": g.get(F.WAITING)},
                 "kv_cache_usage": _r(g.get(F.KV_USAGE), 4),
                 "latency": {"window_s": _r(scrape.at - old.at, 1) if old else 0.0,
-                            **{key: {k: _r(v, 6) for k, v in rates.latency(old, scrape, name).items()}
+                            **{key: {k: [_r(x, 6) for x in v] if isinstance(v, list) else _r(v, 6)
+                                     for k, v in rates.latency(old, scrape, name).items()}
                                for key, name in (("ttft_s", F.TTFT), ("itl_s", F.ITL), ("e2e_s", F.E2E))}},
                 "spec_decode": self._spec(scrape, iv),
                 # Nothing running or waiting: what moves now is the head's 1-token liveness

@@ -22,6 +22,9 @@ const fmt = {
   int(x) { return Math.round(x).toLocaleString("en-US"); },
   pct(x) { return (x * 100).toFixed(1) + " %"; },
   secs(x) { return x < 1 ? (x * 1000).toFixed(1) + " ms" : x.toFixed(2) + " s"; },
+  span(lo, hi) {  // "25.0–50.0 ms", "1.00–2.50 s": one unit, the upper bound's
+    return hi < 1 ? `${(lo * 1000).toFixed(1)}–${fmt.secs(hi)}` : `${lo.toFixed(2)}–${fmt.secs(hi)}`;
+  },
   dur(s) {
     if (s < 120) return s.toFixed(0) + " s";
     if (s < 7200) return (s / 60).toFixed(0) + " min";
@@ -51,11 +54,14 @@ function renderFields(snap) {
     const path = el.dataset.field;
     if (!path.startsWith("vllm.")) continue;
     const v = lookup(snap, path);
+    const quantile = path.match(/^vllm\.latency\.(\w+)\.(p50|p95)$/);
+    if (quantile) el.title = "";
     if (path === "vllm.version") { setText(el, vllm.available && v ? v : "—", vllm.available ? undefined : "none"); continue; }
     // vLLM down: one banner says why; the cells stay quiet ("—") instead of a wall of red.
     if (!vllm.available) { setText(el, "—", "none"); continue; }
     if (path.startsWith("vllm.spec_decode.") && vllm.spec_decode === null) { setText(el, "off", "none"); continue; }
     if (v === null || v === undefined) { setText(el, "—", "none"); continue; }
+    if (quantile) { showQuantile(el, vllm.latency[quantile[1]], quantile[2]); continue; }
     setText(el, formatField(path, v));
   }
   const win = document.getElementById("latency-window");
@@ -72,6 +78,26 @@ function renderFields(snap) {
   }
   const kv = vllm.available ? vllm.kv_cache_usage : null;
   document.getElementById("kv-bar").style.width = kv === null ? "0" : Math.min(100, kv * 100).toFixed(1) + "%";
+}
+
+// A percentile comes from vLLM's histogram buckets, never from the requests themselves: shown as
+// one figure only where the proven range (the bucket narrowed by the exact sum) is within 10 %;
+// otherwise as that range ("≤ 44.2 ms", "25.0–50.0 ms"). A median above the mean is shown only
+// when its whole range is, and marked "*" (the note under the table says why).
+function showQuantile(el, lat, q) {
+  const v = lat[q], [lo, hi] = lat[q + "_range"], [a, b] = lat[q + "_bucket"];
+  let text;
+  if (lat.count === 1 || (hi !== null && hi - lo <= 0.1 * hi)) text = fmt.secs(v);
+  else if (hi === null) text = "> " + fmt.secs(lo);
+  else if (lo <= 0.1 * hi) text = "≤ " + fmt.secs(hi);
+  else text = fmt.span(lo, hi);
+  const above = q === "p50" && lo > lat.window_mean;
+  setText(el, above ? text + " *" : text);
+  el.title = lat.count === 1 ? "one request in the window: its own value" :
+    `from vLLM's histogram bucket ${b === null ? "> " + fmt.secs(a) : fmt.span(a, b)}` +
+    (b === null ? "" : ` (width ${fmt.secs(b - a)})`) + `, ${lat.count} requests; ` +
+    `with their exact mean, the ${q} lies in ${hi === null ? "> " + fmt.secs(lo) : fmt.span(lo, hi)}; ` +
+    `estimate ${fmt.secs(v)}` + (above ? "; above the mean: a few much faster requests pull the mean down" : "");
 }
 
 function na(x, f) { return x === null || x === undefined ? "n/a" : f(x); }
