@@ -23,8 +23,17 @@ NUMBER = re.compile(r"^-?[\d,]+(\.\d+)?( ?(ms|s|%|°C|W|min|h))?$")
 VLLM_PANELS = ("throughput", "tokens", "requests", "latency")
 
 
+# A latency percentile from vLLM's buckets: one figure, or the range the buckets prove ("≤ 44.2 ms",
+# "10.0–25.0 ms"), "*" for a median proven above the mean (rates.quantile_range).
+QUANTILE = re.compile(r"^(≤ |> )?(\d+\.\d+–)?\d+\.\d+ (ms|s)( \*)?$")
+
+
 def is_number(text: str) -> bool:
     return bool(NUMBER.match(text.strip()))
+
+
+def is_figure(text: str) -> bool:
+    return is_number(text) or bool(QUANTILE.match(text.strip()))
 
 
 def live(page: dict) -> bool:
@@ -32,7 +41,7 @@ def live(page: dict) -> bool:
     p = page["panels"]
     if page["pair"] != "SERVING" or page["version"] != "0.28.0" or page["lines"] < 1:
         return False
-    if not all(p.get(name) and all(is_number(t) for t in p[name]) for name in VLLM_PANELS):
+    if not all(p.get(name) and all(is_figure(t) for t in p[name]) for name in VLLM_PANELS):
         return False
     decode_now = float(p["throughput"][0].replace(",", ""))
     if decode_now <= 0 or p.get("spec_decode") != ["off"] * 3:
