@@ -5,6 +5,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -15,6 +16,7 @@ from pairlib import dspark_cmd, get_json, kill_leftovers, pick_ports, run_dspark
 from dspark import config as C
 from dspark import local as L
 from dspark import vllm_facts as F
+from dspark.vllm_log import SHUTDOWN_ABORT_LINE
 
 pytestmark = pytest.mark.pair
 
@@ -24,6 +26,12 @@ def completion(api_url: str, prompt: list[int], max_tokens: int = 4) -> dict:
     req = urllib.request.Request(api_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
+
+
+def gauge(api_url: str, family: str) -> float:
+    with urllib.request.urlopen(api_url + F.METRICS, timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == family for s in fam.samples)
 
 
 def counter(metrics_text: str, family: str) -> float:
@@ -100,7 +108,11 @@ def test_ready_only_after_a_real_completion_and_clean_stop(tmp_path):
     """The two supervisors by hand, with real notify sockets, as systemd would run them."""
     ports = pick_ports()
     cluster_file = L.prepare(tmp_path, ports)
+    text = cluster_file.read_text()
+    assert text.count("[supervisor]\n") == 1 and "drain_s" not in text
+    cluster_file.write_text(text.replace("[supervisor]\n", "[supervisor]\ndrain_s = 2.0\n"))
     cluster = C.load(cluster_file)
+    assert cluster.supervisor.drain_s == 2.0
     socks, procs = {}, {}
     try:
         for node in ("local-worker", "local-head"):
@@ -134,10 +146,43 @@ def test_ready_only_after_a_real_completion_and_clean_stop(tmp_path):
         assert any(m.startswith("STATUS=rendezvous") for m in msgs)
         pids = [get_json(n.agent_url + "/state")["vllm_pid"] for n in cluster.nodes]
 
-        for node in ("local-head", "local-worker"):
-            procs[node].send_signal(signal.SIGTERM)
-        for node in ("local-head", "local-worker"):
-            assert procs[node].wait(timeout=60) == 0
+        # Requests in flight at the stop, longer than the head's drain (2 s, set below): vLLM aborts
+        # them (EngineDeadError in its output handler).
+        answers: list[str] = []
+
+        def long_request():
+            body = json.dumps({"model": L.SERVED_NAME, "prompt": [5, 6, 7], "max_tokens": 3000,
+                               "ignore_eos": True}).encode()  # random weights may end early otherwise
+            req = urllib.request.Request(cluster.head.api_url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    r.read()
+                answers.append("done")
+            except Exception as e:  # the abort's HTTP 500, or the connection closing
+                answers.append(type(e).__name__)
+
+        inflight = [threading.Thread(target=long_request) for _ in range(2)]
+        for t in inflight:
+            t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and gauge(cluster.head.api_url, F.RUNNING) < 2:
+            time.sleep(0.2)
+        # The head first, as local up stops them: a worker stopped under a draining head would break
+        # its collectives. The worker then leaves by itself ("pair broken: local-head: it is stopped",
+        # code 4) or on its SIGTERM (0).
+        procs["local-head"].send_signal(signal.SIGTERM)
+        assert procs["local-head"].wait(timeout=150) == 0
+        procs["local-worker"].send_signal(signal.SIGTERM)
+        rc = procs["local-worker"].wait(timeout=60)
+        assert rc == 0 or (rc == 4 and "pair broken: local-head: it is stopped"
+                           in (tmp_path / "local-worker.log").read_text()), rc
+        for t in inflight:
+            t.join(timeout=60)
+        # A requested stop reads as clean: vLLM's abort is one line, never a traceback (issue 24).
+        head_log = (tmp_path / "local-head.log").read_text()
+        assert "Traceback" not in head_log, head_log[-6000:]
+        assert "done" not in answers and SHUTDOWN_ABORT_LINE in head_log, (answers, head_log[-6000:])
         for pid in pids:  # no vLLM process left behind
             assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
         leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "model")], capture_output=True, text=True).stdout
