@@ -48,7 +48,9 @@ class HostileServer:
         self.httpd = ThreadingHTTPServer((host, port), H)
         self.httpd.daemon_threads = True
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # shutdown() is seen at the loop's next look: every 0.05 s, not socketserver's 0.5 s.
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                       daemon=True)
 
     def __enter__(self) -> "HostileServer":
         self.thread.start()
