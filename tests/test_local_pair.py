@@ -146,7 +146,7 @@ def test_ready_only_after_a_real_completion_and_clean_stop(tmp_path):
         assert any(m.startswith("STATUS=rendezvous") for m in msgs)
         pids = [get_json(n.agent_url + "/state")["vllm_pid"] for n in cluster.nodes]
 
-        # Requests in flight at the stop, longer than the head's drain (2 s, set below): vLLM aborts
+        # Requests in flight at the stop, longer than the head's drain (2 s, set above): vLLM aborts
         # them (EngineDeadError in its output handler).
         answers: list[str] = []
 
