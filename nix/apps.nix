@@ -1,5 +1,6 @@
-# `nix run .#dspark` and `nix run .#bench` (dspark bench against the head in the cluster file,
-# /etc/dspark/cluster.toml unless DSPARK_CONFIG says otherwise).
+# `nix run .#dspark` and `nix run .#bench -- ARGS` (`dspark bench ARGS`, e.g. `-- decode`, against
+# the head in the cluster file, /etc/dspark/cluster.toml unless DSPARK_CONFIG or --config says
+# otherwise; with no ARGS it prints bench's help).
 { writeShellScript, dspark }:
 {
   dspark = {

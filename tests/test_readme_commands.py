@@ -29,6 +29,7 @@ NOT_HERE = {
     "nix": "needs nixpkgs, which cannot be fetched here (README: What was built and evaluated)",
     "python3": "the runtime lock and replay: minutes and 4 GB of wheels (tests/nix covers them where cached)",
     "/tmp/lockenv/bin/python": "the runtime lock (needs the network)",
+    ".venv/bin/vllm": "vllm bench serve: tests/test_local_model.py runs it against the pair with the local model's tokenizer",
 }
 
 
