@@ -167,7 +167,7 @@ def test_a_request_during_a_prefill_trial_is_an_overlap(local_pair):
 
 def test_decode_sweep_on_the_pair(local_pair, tmp_path):
     r = run_dspark("bench", "decode", "--url", local_pair.api_url, "--concurrency", "1,3", "--output-len", "24",
-                   "--input-len", "32", "-o", str(tmp_path), timeout=180)
+                   "--input-len", "32", "--rounds", "1", "-o", str(tmp_path), timeout=180)
     assert r.returncode == 0, r.stderr
     assert "| 3 | 3 |" in r.stdout  # the Markdown summary on stdout
     rep = Report.load(tmp_path / "decode-run.json")
