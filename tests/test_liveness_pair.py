@@ -64,12 +64,23 @@ def test_saturation_for_longer_than_three_liveness_windows_loses_nothing(local_p
     t0 = time.monotonic()
     results, threads = load(local_pair.api_url, 2 * max_seqs, t0 + 3 * window + 5, max_tokens=400)
     seen_waiting, proofs = 0.0, set()
+    # On a saturated 2-core host an agent may miss one 2 s read (the product's own fetch_state
+    # timeout); the product tolerates that for head_lost_s, and so does this test: every answer
+    # must say "serving", and each agent must answer within head_lost_s of its previous answer.
+    answered = {"local-head": t0, "local-worker": t0}
     while any(t.is_alive() for t in threads):
         assert time.monotonic() - t0 < 900, "the load did not finish"
-        head = local_pair.state("local-head")
-        assert head["state"] == "serving", head          # never declared dead while busy
-        assert local_pair.state("local-worker")["state"] == "serving"
-        proofs.add((head["liveness"] or {}).get("proof"))
+        states = {}
+        for node in answered:
+            try:
+                states[node] = local_pair.state(node)
+                answered[node] = time.monotonic()
+            except OSError:  # a read timed out (TimeoutError, URLError)
+                assert time.monotonic() - answered[node] < sup.head_lost_s, f"{node}'s agent silent past head_lost_s"
+        for node, st in states.items():
+            assert st["state"] == "serving", st          # never declared dead while busy
+        if "local-head" in states:
+            proofs.add((states["local-head"]["liveness"] or {}).get("proof"))
         seen_waiting = max(seen_waiting, metrics(local_pair.api_url).waiting)
         time.sleep(1.0)
     took = time.monotonic() - t0
