@@ -182,7 +182,12 @@ def test_ready_only_after_a_real_completion_and_clean_stop(tmp_path):
         # A requested stop reads as clean: vLLM's abort is one line, never a traceback (issue 24).
         head_log = (tmp_path / "local-head.log").read_text()
         assert "Traceback" not in head_log, head_log[-6000:]
-        assert "done" not in answers and SHUTDOWN_ABORT_LINE in head_log, (answers, head_log[-6000:])
+        assert "done" not in answers, answers
+        # vLLM 0.28.0 (CPU) aborts them and exits (one line, SHUTDOWN_ABORT_LINE), or, seen in 3 of 5
+        # runs here, hangs in its shutdown past the drain until the supervisor kills it at
+        # drain_s + stop_grace_s: either way no traceback (above) and nothing left behind (below).
+        overran = "drain overran" in head_log and "after SIGTERM (drain_s + stop_grace_s): killed" in head_log
+        assert SHUTDOWN_ABORT_LINE in head_log or overran, head_log[-6000:]
         for pid in pids:  # no vLLM process left behind
             assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
         leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "model")], capture_output=True, text=True).stdout
