@@ -21,12 +21,17 @@
       eachSystem = f: lib.genAttrs [ "aarch64-linux" "x86_64-linux" ] (system: f system (pkgsFor system));
       # The runtime's wheels are resolved for the GB10 nodes only.
       runtimeSystems = [ "aarch64-linux" ];
+      # One runtime per runtime line (src/dspark/data/runtime_lines.toml), as runtime-<id with _ for .>.
+      runtimeLines = import ./nix/lines.nix;
       template = import ./nix/template/hosts.nix;
     in
     {
       overlays.default = final: _: {
         dspark = final.callPackage ./nix/package.nix { };
-        dspark-runtime = final.callPackage ./nix/runtime.nix { };
+        dspark-runtime = final.dspark-runtime-lines.${runtimeLines.default};
+        dspark-runtime-lines = lib.mapAttrs (
+          _: runtimeLine: final.callPackage ./nix/runtime.nix { inherit runtimeLine; }
+        ) runtimeLines.lines;
       };
 
       packages = eachSystem (
@@ -35,7 +40,10 @@
           inherit (pkgs) dspark;
           default = pkgs.dspark;
         }
-        // lib.optionalAttrs (lib.elem system runtimeSystems) { runtime = pkgs.dspark-runtime; }
+        // lib.optionalAttrs (lib.elem system runtimeSystems) (
+          { runtime = pkgs.dspark-runtime; }
+          // lib.mapAttrs' (id: line: lib.nameValuePair line.attr pkgs.dspark-runtime-lines.${id}) runtimeLines.lines
+        )
       );
 
       apps = eachSystem (system: pkgs: pkgs.callPackage ./nix/apps.nix { inherit (pkgs) dspark; });

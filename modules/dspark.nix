@@ -23,6 +23,7 @@ let
     types
     ;
   cfg = config.services.dspark;
+  runtimeLines = import ../nix/lines.nix;
   settingsFormat = pkgs.formats.toml { };
   configPath = "/etc/dspark/cluster.toml";
 
@@ -108,6 +109,17 @@ let
       v;
   clusterFile = settingsFormat.generate "cluster.toml" (dropNulls cfg.settings);
 
+  # Runtime lines: every line of `lines` is installed (its command in serving.line_commands, so its
+  # runtime is in the system's closure); the nodes run serving.runtime_line's.
+  line = serving.runtime_line;
+  lineIds = lib.attrNames cfg.lines;
+  # A host without `lines` (x86_64, or its own vllm_command) has no line to check here.
+  lineKnown = cfg.lines == { } || lib.elem line lineIds;
+  lineCommands =
+    lib.mapAttrs (_: runtime: [ "${runtime}/bin/vllm" ]) cfg.lines
+    # dspark requires the file's own line's entry to be vllm_command (which a host may set itself).
+    // lib.optionalAttrs (serving.vllm_command != [ ]) { ${line} = serving.vllm_command; };
+
   unitEnvironment = {
     DSPARK_NODE = cfg.node;
     DSPARK_CONFIG = configPath;
@@ -189,12 +201,29 @@ in
       description = "The dspark package: its CLI and the systemd units it renders (`nixosModules.default` sets the flake's).";
     };
 
+    lines = mkOption {
+      type = types.attrsOf types.package;
+      default = { };
+      # Via nixosModules.default: every runtime line of the flake, built with this host's pkgs.
+      defaultText = literalExpression "{ ${
+        lib.concatMapStrings (l: ''"${l.id}" = dspark.packages.aarch64-linux.${l.attr}; '') (lib.attrValues runtimeLines.lines)
+      }}";
+      example = literalExpression ''{ "${runtimeLines.default}" = dspark.packages.aarch64-linux.${runtimeLines.defaultLine.attr}; }'';
+      description = ''
+        The runtime lines installed on this host: line id (`src/dspark/data/runtime_lines.toml`)
+        to that line's GB10 runtime. Each is written into the cluster file as
+        `settings.serving.line_commands.<id> = [ "<runtime>/bin/vllm" ]`, so every line is in the
+        system's closure side by side; the nodes run the one `settings.serving.runtime_line` names.
+      '';
+    };
+
     runtimePackage = mkOption {
       type = types.nullOr types.package;
-      default = null;
-      defaultText = literalExpression "dspark.packages.aarch64-linux.runtime (via nixosModules.default)";
+      default = cfg.lines.${cfg.settings.serving.runtime_line} or null;
+      defaultText = literalExpression "config.services.dspark.lines.\${config.services.dspark.settings.serving.runtime_line}";
       description = ''
-        The GB10 runtime (Python with the patched vLLM). Unless
+        The GB10 runtime (Python with the patched vLLM) the nodes run: by default that of the
+        chosen line, `lines.<settings.serving.runtime_line>`. Unless
         `settings.serving.vllm_command` is set, its `bin/vllm` is the command the nodes run.
       '';
     };
@@ -244,11 +273,33 @@ in
             description = "The `[serving]` section.";
             type = types.submodule {
               freeformType = settingsFormat.type;
+              options.runtime_line = mkOption {
+                type = types.str;
+                default = runtimeLines.default;
+                example = "v0.29.0";
+                description = ''
+                  The runtime line the nodes run, one of `services.dspark.lines`: the switch between
+                  lines on NixOS. Set the same value on every host; the cluster file's
+                  `vllm_command` becomes that line's runtime, so a change is a new generation whose
+                  activation restarts the node's unit on the new line. Activate the workers first and
+                  the head last (`nixos-rebuild switch`); the previous generation is the rollback
+                  (`nixos-rebuild switch --rollback`, same order). A pair on two lines refuses to form.
+                '';
+              };
+              options.line_commands = mkOption {
+                type = types.attrsOf (types.listOf types.str);
+                default = lineCommands;
+                defaultText = literalExpression ''
+                  lib.mapAttrs (_: runtime: [ "''${runtime}/bin/vllm" ]) config.services.dspark.lines
+                  // { ''${runtime_line} = vllm_command; }
+                '';
+                description = "vLLM's command of each runtime line installed on the nodes (`dspark` runs `line_commands.<runtime_line>`, else `vllm_command`).";
+              };
               options.vllm_command = mkOption {
                 type = types.listOf types.str;
                 default = optional (cfg.runtimePackage != null) "${cfg.runtimePackage}/bin/vllm";
                 defaultText = literalExpression ''[ "''${config.services.dspark.runtimePackage}/bin/vllm" ]'';
-                description = "The command that runs vLLM's CLI (the argv before `serve`).";
+                description = "The command that runs vLLM's CLI (the argv before `serve`): by default the chosen runtime line's.";
               };
               # Read by the assertions: tensor_parallel_size x pipeline_parallel_size must equal
               # the nodes' GPUs. Defaults are those of src/dspark/config.py.
@@ -353,9 +404,20 @@ in
           message = "services.dspark.settings.model.path is not set: give the model directory (the same path on every node).";
         }
         {
-          assertion = cfg.settings.serving.vllm_command != [ ];
-          message = "services.dspark: no vLLM to run; set services.dspark.runtimePackage (the flake's runtime, aarch64-linux) or settings.serving.vllm_command.";
+          # (A runtime_line missing from `lines` leaves no command either: that assertion says why.)
+          assertion = cfg.settings.serving.vllm_command != [ ] || !lineKnown;
+          message = "services.dspark: no vLLM to run; set services.dspark.lines or runtimePackage (the flake's runtimes, aarch64-linux) or settings.serving.vllm_command.";
         }
+        {
+          assertion = lineKnown;
+          message = "services.dspark.settings.serving.runtime_line = \"${line}\" is not one of services.dspark.lines (known: ${lib.concatStringsSep ", " lineIds}); set it to one of them, or add that line's runtime to services.dspark.lines.";
+        }
+      ]
+      ++ map (id: {
+        assertion = false;
+        message = "services.dspark.lines.\"${id}\": not a runtime line dspark knows (known: ${lib.concatStringsSep ", " runtimeLines.known}; src/dspark/data/runtime_lines.toml).";
+      }) (lib.filter (id: !(lib.elem id runtimeLines.known)) lineIds)
+      ++ [
         {
           assertion = !cfg.dashboard.enable || !known || isHead;
           message = "services.dspark.dashboard.enable: the dashboard runs on the head; enable it in the head's configuration.";

@@ -2,8 +2,11 @@
 """Replay nix/runtime.nix's build of the GB10 runtime without nixpkgs, and report what would stop it.
 
     python3 nix/replay-runtime.py --cache ~/.cache/dspark/runtime-wheels    # about 4 GB the first time
+    python3 nix/replay-runtime.py --line v0.29.0 --cache ...                # another runtime line
 
-It reads what the Nix build reads (nix/runtime-lock.json, nix/runtime-build.json), then:
+It reads what the Nix build of a runtime line reads (the line in src/dspark/data/runtime_lines.toml,
+as nix/lines.nix does: its lock, nix/runtime-lock.json for the default line, and its overlay
+series; nix/runtime-build.json for every line), then:
 1. fetches every locked wheel by name, version and sha256 into the cache directory (pip, with
    --require-hashes, for the nodes' platform), and installer itself at the release nixpkgs has;
 2. makes the prefix a venv of this machine's Python, as runtime.nix does with the store's CPython,
@@ -18,7 +21,9 @@ It reads what the Nix build reads (nix/runtime-lock.json, nix/runtime-build.json
    NCCL's "libibverbs.so.1") or its .note.dlopen table without listing it as DT_NEEDED, unless
    it resolves through the RPATH autoPatchelf gives that object, is glibc's, is the driver's
    (on /run/opengl-driver/lib and the wrappers' LD_LIBRARY_PATH), or runtime-build.json lists
-   it in dlopen_absent with the reason.
+   it in dlopen_absent with the reason;
+4. applies the line's overlay series to the installed vLLM with nix/apply-overlay.py, as the build
+   does, and reports a patch that does not apply.
 Exit status: 0 clean, 1 any problem above, 2 bad input (nothing fetched, a wrong hash, no tool).
 Standard library only; x86_64 or aarch64 host.
 """
@@ -38,6 +43,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -45,6 +51,8 @@ from pathlib import Path, PurePosixPath
 HERE = Path(__file__).resolve().parent
 LOCK = HERE / "runtime-lock.json"
 BUILD = HERE / "runtime-build.json"
+LINES = HERE.parent / "src" / "dspark" / "data" / "runtime_lines.toml"
+APPLY_OVERLAY = HERE / "apply-overlay.py"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dspark" / "runtime-wheels"
 EM_AARCH64 = 183
 PAGE_SIZE = 4096  # the GB10 nodes' kernel (DGX OS, NixOS) uses 4 KiB pages; p_align is checked too
@@ -73,6 +81,47 @@ def load_plan(lock_path: Path = LOCK, build_path: Path = BUILD) -> tuple[list[Wh
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ReplayError(f"cannot read {lock_path.name} / {build_path.name}: {e}") from e
     return wheels, build
+
+
+@dataclass(frozen=True)
+class Line:
+    """One runtime line as nix/lines.nix reads it for the build."""
+
+    id: str
+    vllm: str
+    lock: Path
+    series: tuple[Path, ...]  # the patches, in order
+
+
+def read_series_file(path: Path) -> tuple[Path, ...]:
+    """A series file as dspark.overlay and nix/lines.nix read it: one patch a line, a path relative
+    to the file's folder; blank and `#` lines skipped."""
+    entries = [s.strip() for s in path.read_text().splitlines()]
+    series = tuple((path.parent / e).resolve() for e in entries if e and not e.startswith("#"))
+    missing = [str(p) for p in series if not p.is_file()]
+    if missing:
+        raise ReplayError(f"{path} names {missing[0]}, which is not there")
+    return series
+
+
+def load_line(line_id: str | None = None, lines_path: Path = LINES, repo: Path = HERE.parent) -> Line:
+    """The line (default: the data's default line) as nix/lines.nix reads it: its lock, and its
+    series, read from its `series_file` (or, without one, its `series.applies` from overlay/)."""
+    try:
+        data = tomllib.loads(lines_path.read_text())
+        line_id = line_id or data["default"]
+        if line_id not in data["lines"]:
+            raise ReplayError(f"{line_id!r} is not a runtime line; known: {', '.join(sorted(data['lines']))}")
+        raw = data["lines"][line_id]
+        if raw["lock_state"] != "locked":
+            raise ReplayError(f"runtime line {line_id} has no complete lock (lock_state {raw['lock_state']!r})")
+        if "series_file" in raw:
+            series = read_series_file(repo / raw["series_file"])
+        else:
+            series = tuple(repo / "overlay" / n for n in raw.get("series", {}).get("applies", []))
+        return Line(line_id, raw["vllm"], repo / raw["lock"], series)
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as e:
+        raise ReplayError(f"cannot read the runtime lines from {lines_path}: {e}") from e
 
 
 def installer_wheel(build: dict) -> Wheel:
@@ -199,6 +248,17 @@ def make_venv(prefix: Path, build: dict, python: str) -> Path:
     text = text.replace("@pythonBin@", str(real.parent)).replace("@pythonVersion@", version)
     (prefix / "pyvenv.cfg").write_text(text)
     return prefix / "bin" / "python"
+
+
+def apply_overlay(site: Path, line: Line, python: Path) -> tuple[list[str], str]:
+    """runtime.nix's overlay step: nix/apply-overlay.py with the line's release and series, dspark's
+    overlay applier on PYTHONPATH. Returns (problems, what it printed)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHOME"}
+    env["PYTHONPATH"] = str(HERE.parent / "src")
+    proc = subprocess.run([str(python), str(APPLY_OVERLAY), "--vllm-version", line.vllm, str(site),
+                           *map(str, line.series)], env=env, capture_output=True, text=True, timeout=600)
+    said = (proc.stdout + proc.stderr).strip()
+    return ([] if proc.returncode == 0 else [s for s in said.splitlines() if s.strip()]), said
 
 
 def site_packages(prefix: Path) -> Path:
@@ -698,6 +758,8 @@ def pth_imports(site: Path, python: Path, env: dict[str, str] | None = None) -> 
 class Report:
     wheels: int = 0
     elf_objects: int = 0
+    line: str = ""
+    overlay: str = ""
     clashes: list[str] = field(default_factory=list)
     install_errors: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)
@@ -705,19 +767,21 @@ class Report:
     load_failures: list[str] = field(default_factory=list)
     runtime_loads: LoadCheck = field(default_factory=LoadCheck)
     unresolved_loads: list[str] = field(default_factory=list)
+    overlay_errors: list[str] = field(default_factory=list)
 
     SECTIONS = (("clashes", "file clashes"), ("install_errors", "installer errors"),
                 ("unresolved", "unresolved DT_NEEDED"), ("pth_imports", "imports depending on .pth files"),
                 ("load_failures", "objects glibc would refuse (stripping)"),
-                ("unresolved_loads", "libraries loaded at run time that the build leaves unresolvable"))
+                ("unresolved_loads", "libraries loaded at run time that the build leaves unresolvable"),
+                ("overlay_errors", "overlay series errors"))
 
     @property
     def ok(self) -> bool:
         return not any(getattr(self, k) for k, _ in self.SECTIONS)
 
     def text(self) -> str:
-        lines = [f"replayed {self.wheels} wheels, {self.elf_objects} ELF objects",
-                 self.runtime_loads.summary()]
+        lines = [f"replayed {self.wheels} wheels, {self.elf_objects} ELF objects (runtime line {self.line})",
+                 self.runtime_loads.summary(), f"overlay: {self.overlay}"]
         for key, title in self.SECTIONS:
             items = getattr(self, key)
             lines.append(f"{title}: {len(items)}")
@@ -727,11 +791,12 @@ class Report:
 
 
 def replay(cache: Path, prefix: Path, offline: bool = False, python: str = sys.executable,
-           lock_path: Path = LOCK, build_path: Path = BUILD, log=print) -> Report:
-    wheels, build = load_plan(lock_path, build_path)
+           line: Line | None = None, build_path: Path = BUILD, log=print) -> Report:
+    line = line or load_line()
+    wheels, build = load_plan(line.lock, build_path)
     inst = installer_wheel(build)
     fetch(cache, [*wheels, inst], offline, log)
-    report = Report(wheels=len(wheels))
+    report = Report(wheels=len(wheels), line=line.id)
     report.clashes = find_clashes(wheels, cache, build)
     log(f"installing {len(wheels)} wheels into {prefix}")
     report.install_errors = install(prefix, wheels, cache, build, cache / inst.filename, python, log)
@@ -743,12 +808,15 @@ def replay(cache: Path, prefix: Path, offline: bool = False, python: str = sys.e
     report.load_failures = strip_breaks(elves, prefix, build)
     report.runtime_loads = check_runtime_loads(elves, prefix, build)
     report.unresolved_loads = report.runtime_loads.unresolved
+    # Last, as in runtime.nix's installPhase (the ELF checks above read no patched file).
+    report.overlay_errors, report.overlay = apply_overlay(site_packages(prefix), line, prefix / "bin" / "python")
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--line", help="the runtime line to replay (default: the default line, as `nix build .#runtime`)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
                     help=f"wheel cache directory (default {DEFAULT_CACHE})")
     ap.add_argument("--prefix", type=Path, help="install here and keep it (default: a temporary directory)")
@@ -757,19 +825,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
+        line = load_line(args.line)
         if args.prefix is not None:
             if args.prefix.exists() and any(args.prefix.iterdir()):
                 raise ReplayError(f"--prefix {args.prefix} is not empty")
-            report = replay(args.cache, args.prefix, args.offline, log=log)
+            report = replay(args.cache, args.prefix, args.offline, line=line, log=log)
         else:
             with tempfile.TemporaryDirectory(prefix="dspark-replay-") as tmp:
-                report = replay(args.cache, Path(tmp) / "runtime", args.offline, log=log)
+                report = replay(args.cache, Path(tmp) / "runtime", args.offline, line=line, log=log)
     except ReplayError as e:
         print(f"replay-runtime: {e}", file=sys.stderr)
         return 2
     print(report.text())
     if args.json:
-        data = {k: getattr(report, k) for k in ("wheels", "elf_objects", *(k for k, _ in Report.SECTIONS))}
+        data = {k: getattr(report, k) for k in ("wheels", "elf_objects", "line", "overlay",
+                                                 *(k for k, _ in Report.SECTIONS))}
         loads = report.runtime_loads
         data["runtime_loads"] = {"objects": loads.objects, "checked": loads.checked,
                                  **{k: getattr(loads, k) for k in ("resolved", "glibc", "driver", "absent", "unresolved")}}

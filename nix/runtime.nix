@@ -1,6 +1,7 @@
-# The GB10 runtime: CPython 3.12 with vLLM 0.28.0 (torch 2.13.0, CUDA 13), FlashInfer, b12x and
-# the rest of vLLM's closure, from the wheels pinned in runtime-lock.json, with the overlay/
-# patch series applied to vLLM's sources. aarch64-linux only: the lock is resolved for the nodes.
+# The GB10 runtime of one runtime line (nix/lines.nix; by default the default line, vLLM 0.28.0):
+# CPython 3.12 with the line's vLLM (torch 2.13.0, CUDA 13), FlashInfer, b12x and the rest of
+# vLLM's closure, from the wheels pinned in the line's lock, with the line's overlay series applied
+# to vLLM's sources. aarch64-linux only: the locks are resolved for the nodes.
 #
 # How the wheels are installed (interpreter, installer flags, order, files removed, the nixpkgs
 # libraries added, the driver libraries left to the host, stripping) is data in
@@ -14,13 +15,15 @@
   addDriverRunpath,
   makeWrapper,
   cudaPackages_13,
+  # One entry of nix/lines.nix: the line's lock and overlay series.
+  runtimeLine ? (import ./lines.nix).defaultLine,
 }:
 let
-  lock = lib.importJSON ./runtime-lock.json;
+  lock = lib.importJSON runtimeLine.lock;
   build = lib.importJSON ./runtime-build.json;
   python = pkgs.${build.python};
   site = "lib/python${python.pythonVersion}/site-packages";
-  vllm = lib.findFirst (p: p.name == "vllm") (throw "runtime-lock.json has no vllm") lock.packages;
+  vllm = lib.findFirst (p: p.name == "vllm") (throw "${toString runtimeLine.lock} has no vllm") lock.packages;
   wheel = entry: fetchPypi (import ./wheel-source.nix entry);
   fromPkgs = path: lib.getAttrFromPath (lib.splitString "." path) pkgs;
   # glibc comes with stdenv; the others are added as buildInputs for autoPatchelf.
@@ -48,7 +51,8 @@ let
     (toString build.driver_search_dirs)
     (toString build.driver_library_globs)
   ];
-  # dspark's overlay applier (standard library only) and the patch series it applies.
+  # dspark's overlay applier (standard library only), run through apply-overlay.py on the line's
+  # series (each patch its own store path: a line's runtime changes only with its own patches).
   overlayTool = builtins.path {
     name = "dspark-overlay-tool";
     path = ../src;
@@ -98,8 +102,8 @@ stdenv.mkDerivation {
     cat > "$out/pyvenv.cfg" <<'EOF'
     ${pyvenvCfg}EOF
     ${lib.concatMapStrings installWheel lock.packages}
-    PYTHONPATH=${overlayTool} "$out/bin/python" -m dspark.overlay apply "$out/${site}" \
-      --overlay-dir ${../overlay}
+    PYTHONPATH=${overlayTool} "$out/bin/python" ${./apply-overlay.py} --vllm-version ${runtimeLine.vllm} \
+      "$out/${site}" ${lib.escapeShellArgs (map (p: "${p.path}") runtimeLine.series)}
     runHook postInstall
   '';
 
@@ -121,11 +125,11 @@ stdenv.mkDerivation {
   '';
 
   passthru = {
-    inherit python lock build cuda cc;
+    inherit python lock build cuda cc runtimeLine;
   };
 
   meta = {
-    description = "vLLM ${vllm.version} runtime for NVIDIA GB10 (SM121) with the dspark overlay";
+    description = "vLLM ${vllm.version} runtime (dspark runtime line ${runtimeLine.id}) for NVIDIA GB10 (SM121) with the dspark overlay";
     platforms = [ "aarch64-linux" ];
     mainProgram = "vllm";
     # torch, CUDA, cuDNN and NCCL wheels carry NVIDIA's licences.

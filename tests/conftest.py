@@ -45,3 +45,32 @@ def fresh_pair(tmp_path):
 def artifacts_dir() -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS
+
+
+# ------------------------------------------------------------------ the quick layer's time
+SLOW_MARKS = ("pair", "systemd", "nix", "browser")
+_quick: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Time of every test that needs none of the slow layers (setup, call and teardown)."""
+    if any(m in report.keywords for m in SLOW_MARKS):
+        return
+    _quick[report.nodeid] = _quick.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _quick:
+        terminalreporter.write_line(f"quick layer (no {', '.join(SLOW_MARKS)} mark): {len(_quick)} tests, "
+                                    f"{sum(_quick.values()):.0f} s of their own time")
+
+
+PAIR_FIXTURES = {"local_pair", "fresh_pair", "local_ring"}
+
+
+def pytest_collection_modifyitems(items):
+    """A test that takes a pair (directly or through a fixture of its own) is in the pair layer,
+    marked or not, so `-m "not pair"` leaves it out."""
+    for item in items:
+        if PAIR_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.pair)

@@ -158,7 +158,8 @@ class PairHandle:
         return self.proc.returncode
 
 
-def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2, line: str | None = None) -> PairHandle:
+def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2, line: str | None = None,
+               env: dict[str, str] | None = None) -> PairHandle:
     ports = pick_ports(nodes)
     workdir.mkdir(parents=True, exist_ok=True)
     output = workdir / "local-up.out"
@@ -167,7 +168,8 @@ def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2, line: str | 
         dspark_cmd("local", "up", "--dir", str(workdir), "--api-port", str(ports.api),
                    "--agent-port", str(ports.agent), "--master-port", str(ports.master), "--nodes", str(nodes),
                    *(("--line", line) if line is not None else ())),
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+        env={**os.environ, **env} if env else None)
     out.close()
     pair = PairHandle(proc, workdir, ports, output, nodes)
     deadline = time.monotonic() + timeout

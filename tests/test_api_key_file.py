@@ -89,7 +89,9 @@ def test_the_fallback_marker_is_never_taken_for_a_key(tmp_path):
 
 
 def test_the_readme_quotes_the_refusal_as_serve_prints_it(tmp_path):
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    from docs_text import docs_text
+
+    readme = docs_text()
     line = one_line_refusal(serve("spark-a", CREDENTIALS_DIRECTORY=credential_dir(tmp_path, credentials.NO_KEY_FILE),
                                   DSPARK_API_KEY_FILE="/run/secrets/dspark-api-key"))
     assert f"```text\n{line}\n```" in readme

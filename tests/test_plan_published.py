@@ -78,9 +78,11 @@ def test_plan_hints_name_only_settings_config_check_accepts(tmp_path):
 
 
 def test_readme_shows_what_plan_published_prints(tmp_path):
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    from docs_text import docs_text
+
+    readme = docs_text()
     block = re.search(r"```\n\$ dspark plan --published\n(.*?)```", readme, re.S)
-    assert block, "README.md: no '$ dspark plan --published' block"
+    assert block, "README.md and docs/: no '$ dspark plan --published' block"
     r = invoke_dspark("plan", "--published", env=NO_CONFIG, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert block.group(1).rstrip("\n") == r.stdout.rstrip("\n")

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from docs_text import docs_text
 from pairlib import ROOT
 
 pytestmark = pytest.mark.pair
 
-README = ROOT / "README.md"
+README = ROOT / "README.md"  # and docs/*.md: every document's commands (docs_text)
 # Commands that cannot run in this test, by their first word(s), and why.
 NOT_HERE = {
     ".ci/setup": "sets up the venv the tests already run in",
@@ -35,7 +36,7 @@ NOT_HERE = {
 
 def commands() -> list[str]:
     out = []
-    for block in re.findall(r"```sh\n(.*?)```", README.read_text(), re.S):
+    for block in re.findall(r"```sh\n(.*?)```", docs_text(), re.S):
         text = re.sub(r"\\\n\s*", " ", block)  # join continued lines
         for line in text.splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
@@ -46,7 +47,7 @@ def commands() -> list[str]:
 
 def scripts() -> dict[str, str]:
     """The README's `python` blocks, by the file name it says to save each as."""
-    text = README.read_text()
+    text = docs_text()
     named = dict((name, code) for name, code in
                  re.findall(r"save it as `([\w.-]+\.py)`:\n\n```python\n(.*?)```", text, re.S))
     assert len(named) == len(re.findall(r"```python\n", text)), "a README python block not named a file to save"

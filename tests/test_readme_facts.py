@@ -9,7 +9,9 @@ from dspark_cli import invoke_dspark
 
 from dspark.node_policy import BACKOFF_MAX_S, backoff_delay
 
-README = (Path(__file__).parents[1] / "README.md").read_text()
+from docs_text import docs_text
+
+README = docs_text()  # README.md and docs/
 
 
 def test_readme_backoff_is_the_supervisors():

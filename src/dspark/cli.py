@@ -10,50 +10,21 @@ from pathlib import Path
 
 import click
 
+from .cli_common import config_found, fail, load_cluster, pick_node
 from .cli_options import CONFIG_HELP, NODE_HELP, config_option, node_option  # noqa: F401 (declared once there)
-
-
-def fail(message: str, code: int = 2) -> "click.exceptions.Exit":
-    click.secho(message, fg="red", err=True)
-    raise click.exceptions.Exit(code)
-
-
-def load_cluster(config_path: Path | None):
-    from .config import ConfigError, load
-
-    try:
-        return load(config_path)
-    except ConfigError as e:
-        fail(e.render())
-
-
-def _config_found() -> bool:
-    """Whether a cluster file is there to be read without --config ($DSPARK_CONFIG or /etc)."""
-    import os
-
-    from .config import DEFAULT_CONFIG_PATH
-
-    return bool(os.environ.get("DSPARK_CONFIG")) or DEFAULT_CONFIG_PATH.exists()
-
-
-def pick_node(cluster, name: str | None):
-    from .config import ConfigError
-
-    try:
-        return cluster.node(name)
-    except ConfigError as e:
-        fail(e.render())
 
 
 class LazyGroup(click.Group):
     """Commands that live in their own modules, imported only when used or listed."""
 
     lazy = {
-        "systemd": ("dspark.units", "cli", "Render and install the systemd units."),
+        "systemd": ("dspark.units_cli", "cli", "Render and install the systemd units."),
         "bench": ("dspark.bench.cli", "bench", "Benchmarks: prefill, decode, compare."),
         "dashboard": ("dspark.dashboard.cli", "dashboard", "Live dashboard of the pair (web page)."),
         "check": ("dspark.preflight.cli", "check", "Host preflight: fabric, RDMA, kernel, GPU, memory, model, "
                   "ports, peers."),
+        "switch": ("dspark.switch_cli", "switch", "Move the pair to another runtime line, measured; rolled back on "
+                   "failure."),
     }
 
     def list_commands(self, ctx):
@@ -72,14 +43,13 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
     def get_command(self, ctx, name):
+        """A registered command's module, imported now: an ImportError there is a bug and
+        surfaces with its traceback; only a name that is not registered is "No such command"."""
         if name in self.lazy:
             import importlib
 
             module, attr, _ = self.lazy[name]
-            try:
-                return getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError):
-                return None  # not built yet in this checkout
+            return getattr(importlib.import_module(module), attr)
         return super().get_command(ctx, name)
 
 
@@ -149,7 +119,7 @@ def plan_cmd(config_path: Path | None, model_dir: Path | None, published: bool, 
         if published:
             from .plan.published import plan_published
 
-            plan = plan_published(load_cluster(config_path) if config_path or _config_found() else None)
+            plan = plan_published(load_cluster(config_path) if config_path or config_found() else None)
         else:
             plan = plan_for_cluster(load_cluster(config_path), model_dir)
     except PlanError as e:
@@ -203,6 +173,9 @@ def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None
 
     cluster = load_cluster(config_path)
     this = pick_node(cluster, node)
+    if state_dir is not None and ":" in str(state_dir):
+        state_dir = Path(str(state_dir).split(":")[0])  # systemd lists several directories with ':'
+    running = _on_current_line(cluster, state_dir)  # the checks and the plan see the line this node runs
     if this.is_head:  # the API is the head's: a key file it was given must hold a key
         from .credentials import api_key_refusal
 
@@ -212,27 +185,38 @@ def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None
     from . import preflight as P
 
     if preflight:
-        identity, refusal = P.gate(cluster, this, say=lambda line: click.echo(line, err=True))
+        identity, refusal = P.gate(running, running.node(this.name), say=lambda line: click.echo(line, err=True))
         if refusal:
             fail(refusal, EXIT_CONFIG)
     else:
-        identity = P.identity(cluster)
+        identity = P.identity(running)
     if not skip_plan:
         from .plan import PlanError, plan_for_cluster
 
         try:
-            plan = plan_for_cluster(cluster)
+            plan = plan_for_cluster(running)
         except PlanError as e:
             fail(f"refusing to start: plan: {e}", EXIT_CONFIG)
         if not plan.fits:
             fail("refusing to start: the memory plan does not fit\n" + plan.render_text(), EXIT_CONFIG)
-    if state_dir is not None and ":" in str(state_dir):
-        state_dir = Path(str(state_dir).split(":")[0])  # systemd lists several directories with ':'
     try:
         code = serve(cluster, this, state_dir=state_dir, signals=signals, identity=identity)
     except OSError as e:  # e.g. the agent's port is taken, vLLM's command not found
         fail(f"serve: {e}", EXIT_CONFIG)
     sys.exit(code)
+
+
+def _on_current_line(cluster, state_dir: Path | None):
+    """The cluster as this node runs it: on the runtime line its state names (dspark switch),
+    else the file's; a line the file no longer installs falls back to the file's (serve says so)."""
+    from . import line_state
+    from .config import ConfigError
+
+    line = line_state.current(state_dir, cluster.serving.runtime_line).line
+    try:
+        return cluster.on_line(line)
+    except ConfigError:
+        return cluster
 
 
 # ------------------------------------------------------------------------------ clients
@@ -279,7 +263,12 @@ def status_cmd(config_path: Path | None, as_json: bool) -> None:
 
 
 # ------------------------------------------------------------------------------ local
-@main.group("local")
+class LocalGroup(LazyGroup):
+    lazy = {"switch": ("dspark.switch_cli", "local_switch", "Switch the running local appliance to another "
+                       "runtime line (dspark switch).")}
+
+
+@main.group("local", cls=LocalGroup)
 def local_group() -> None:
     """The two-node appliance (or N nodes) on this machine, with the real vLLM CPU build."""
 

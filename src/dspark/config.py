@@ -134,6 +134,12 @@ class ServingConfig:
                            example="v0.28.0",
                            source="dspark's runtime lines (dspark/data/runtime_lines.toml); v0.28.0 is the "
                                   "seed line, vLLM 0.28.0 with the whole overlay")
+    line_commands: dict[str, list[str]] = _f(
+        help="vLLM's command of each runtime line installed on the nodes, by line: what `dspark switch` can "
+             "move the pair to. A node runs line_commands[its line], else vllm_command.",
+        example={"v0.29.0": ["/opt/dspark/lines/v0.29.0/bin/vllm"]}, factory=dict,
+        source="dspark's runtime lines; the NixOS module writes one entry per line it builds "
+               "(services.dspark.lines), `dspark local up` one per line installed here")
     tensor_parallel_size: int = _f(2, help="Tensor parallel size: nodes x GPUs per node.", example=2,
                                    bounds=(1, 1024),
                                    source=_BOTH + " (TP=2; TP=1 does not load on one node: NV_ERR_NO_MEMORY)")
@@ -337,6 +343,20 @@ class Cluster:
     def workers(self) -> list[NodeConfig]:
         return sorted((n for n in self.nodes if n.rank != 0), key=lambda n: n.rank)
 
+    def on_line(self, line: str) -> "Cluster":
+        """This cluster as a node runs it on runtime line `line`: the line's command from
+        serving.line_commands (vllm_command for the file's own line when the table lacks it).
+        Raises ConfigError for a line with no command here."""
+        s = self.serving
+        command = s.line_commands.get(line) or (s.vllm_command if line == s.runtime_line else None)
+        if not command:
+            installed = sorted({s.runtime_line, *s.line_commands})
+            raise ConfigError([f"serving.line_commands: runtime line {line!r} is not installed on the nodes "
+                               f"(installed: {', '.join(installed)}); add its vLLM command, e.g. "
+                               f"line_commands = {{ {_toml_value(line)} = [\"/path/to/{line}/bin/vllm\"] }}"],
+                              self.source)
+        return dataclasses.replace(self, serving=dataclasses.replace(s, runtime_line=line, vllm_command=list(command)))
+
     def node(self, name: str | None = None) -> NodeConfig:
         """The entry for `name` (default: $DSPARK_NODE, then the host name)."""
         wanted = name or os.environ.get("DSPARK_NODE") or socket.gethostname()
@@ -405,7 +425,8 @@ def _check_type(value: Any, tp: Any) -> bool:
         item = int if typing.get_args(tp) == (int,) else str
         return isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in value)
     if origin is dict:
-        return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+        inner = typing.get_args(tp)[1] if len(typing.get_args(tp)) == 2 else str
+        return isinstance(value, dict) and all(isinstance(k, str) and _check_type(v, inner) for k, v in value.items())
     if tp is dict:
         return isinstance(value, dict)
     if tp is float:
@@ -722,7 +743,8 @@ def _check_command_line(c: Cluster) -> list[str]:
     if not s.vllm_command or not s.vllm_command[0]:
         p.append("serving.vllm_command: must name vLLM's CLI, e.g. vllm_command = [\"vllm\"] or "
                  "[\"/opt/runtime/bin/vllm\"]")
-    for field, args in (("serving.extra_args", s.extra_args), ("serving.vllm_command", s.vllm_command)):
+    commands = [(f"serving.line_commands.{_toml_key(k)}", v) for k, v in s.line_commands.items()]
+    for field, args in (("serving.extra_args", s.extra_args), ("serving.vllm_command", s.vllm_command), *commands):
         for flag in secret_args(args):
             p.append(f"{field}: {flag} takes a secret, which does not belong in the cluster file nor on "
                      "vLLM's command line (ps shows it); the API key goes in the 'api-key' credential or "
@@ -789,9 +811,19 @@ def _runtime_line_problems(s: ServingConfig) -> list[str]:
     from . import runtime_lines
 
     lines = runtime_lines.load()
+    p: list[str] = []
+    for line, command in s.line_commands.items():
+        where = f"serving.line_commands.{_toml_key(line)}"
+        if line not in lines.lines:
+            p.append(runtime_lines.unknown_line_message(line, lines).replace("serving.runtime_line", where))
+        elif not command or not command[0]:
+            p.append(f"{where}: must name that line's vLLM CLI, e.g. [\"/opt/dspark/lines/{line}/bin/vllm\"]")
+        elif line == s.runtime_line and command != s.vllm_command:
+            p.append(f"{where}: differs from serving.vllm_command, which is the command of the file's own line "
+                     f"({line}); make them the same or drop this entry")
     if s.runtime_line not in lines.lines:
-        return [runtime_lines.unknown_line_message(s.runtime_line, lines)]
-    return runtime_lines.refusals(s.runtime_line, {k: getattr(s, k) for k in runtime_lines.SETTINGS}, lines)
+        return p + [runtime_lines.unknown_line_message(s.runtime_line, lines)]
+    return p + runtime_lines.refusals(s.runtime_line, {k: getattr(s, k) for k in runtime_lines.SETTINGS}, lines)
 
 
 def check_ranges(c: Cluster) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Callable
 
 from . import states as A
 from . import config as C
+from . import line_state
 from .vllm_process import end_group
 from .agent_client import agent_state
 from . import local_model
@@ -111,6 +112,20 @@ def vllm_command(line: str | None = None) -> list[str]:
     return [str(exe)]
 
 
+def installed_lines() -> dict[str, list[str]]:
+    """Every runtime line installed here, with its vLLM command (what `dspark local switch` can
+    move the appliance to)."""
+    from . import runtime_lines
+
+    out = {}
+    for line in runtime_lines.load().lines:
+        try:
+            out[line] = vllm_command(line)
+        except LocalError:
+            continue
+    return out
+
+
 def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = False,
                  nodes: int = DEFAULT_NODES, line: str | None = None) -> dict:
     check_nodes(nodes)
@@ -131,6 +146,7 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
         "serving": {
             "vllm_command": command,
             **({"runtime_line": line} if line is not None else {}),
+            "line_commands": installed_lines(),
             "tensor_parallel_size": nodes,
             "gpus_per_node": 1,
             "usable_memory_gib": memory_per_node_gib(nodes),
@@ -328,7 +344,7 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
     pair = Pair(cluster_file, workdir.resolve())
     # A fresh appliance: no restart count or failure history carried over from earlier runs.
     for node in cluster.nodes:
-        for name in ("starts", "failures.json"):
+        for name in ("starts", "failures.json", line_state.FILE):
             (pair.workdir / "state" / node.name / name).unlink(missing_ok=True)
     stop = {"sig": None}
 
@@ -374,7 +390,7 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
         progress(f"    -d '{{\"model\": \"{SERVED_NAME}\", \"messages\": [{{\"role\": \"user\", \"content\": "
                  f"\"Hello\"}}], \"max_tokens\": 16}}'")
         progress("  (text, chat and token-id prompts all work: the tiny model has a tokenizer and a chat template; "
-                 "the README has the same request with the OpenAI SDK)")
+                 "docs/quick-start.md has the same request with the OpenAI SDK)")
         progress(f"  {cli_command()} status --config {cluster_file}")
         progress(f"Ctrl-C stops {everyone}.")
         if on_ready:

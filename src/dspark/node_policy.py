@@ -35,6 +35,9 @@ EXIT_OK = 0
 EXIT_CONFIG = 2          # refused before starting anything: bad config, plan does not fit
 EXIT_NEVER_READY = 3     # vLLM exited or timed out before the node became ready
 EXIT_DIED = 4            # the node was serving (or in its pair) and then died, lost its pair or got SIGHUP
+# Not an exit code: the run ends to go on at once on another runtime line (dspark.supervisor.serve
+# starts the next run in the same process; `switch_to` names the line).
+EXIT_SWITCH = 75
 
 # Restart backoff. The units restart a failed node after a short fixed RestartSec= (systemd 252
 # has no growing delay); the supervisor adds the growing part, from the failure history it
@@ -67,6 +70,8 @@ class Events:
     round: Round | None = None            # a finished liveness round (the head, once ready)
     peers: dict[str, AgentAnswer] | None = None  # a finished poll of the peers' (workers') agents
     running: frozenset[str] = frozenset()  # background probes still running: "ready_probe", "round", "peers"
+    wanted_line: str | None = None        # the head: the line its state says the pair runs (dspark.line_state)
+    switching: bool | None = None         # the head: a switch is under way (its state's switch record)
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,11 @@ class NodePolicy:
     failures: int = 0                     # consecutive failed runs before this one
     last_failure: str = ""
     track_history: bool = False
-    runtime_line: str | None = None       # the runtime line this node runs (the cluster file's)
+    runtime_line: str | None = None       # the runtime line this node runs (dspark.line_state)
+    file_line: str | None = None          # the cluster file's line (a worker follows a head of the same file)
+    installed: frozenset[str] = frozenset()  # the lines with a command here (serving.line_commands)
+    switching: bool = False               # a switch is under way: a failure holds instead of exiting
+    resumed: bool = False                 # this run goes on from a switch: systemd's watchdog is armed already
 
     def __post_init__(self) -> None:
         self.phase = "init"
@@ -149,6 +158,11 @@ class NodePolicy:
         self.version: str | None = None  # vLLM's /version, read once ready
         self.drain_until = 0.0  # draining: vLLM is stopped if it has not exited by then
         self.drain_signal = ""
+        self.switch_to: str | None = None  # set when the run ends (EXIT_SWITCH) to go on on this line
+        self.held_on: str | None = None    # held: the pair's line when the hold began
+        self.hold_until = self.hold_s = 0.0
+        self._now = 0.0
+        self.held_code = EXIT_NEVER_READY
 
     # ---------------------------------------------------------------- helpers
     def _show(self, out: list[Action], state: str, detail: str = "") -> None:
@@ -157,10 +171,13 @@ class NodePolicy:
             out.append(_set(state, detail))
 
     def _end(self, out: list[Action], code: int, state: str, detail: str, *, stop: str = "",
-             history: str | None = None, at_once: bool = False) -> list[Action]:
+             history: str | None = None, at_once: bool = False, hold: bool = True) -> list[Action]:
         """Show the final state, stop vLLM (when `stop` says why), exit with `code`. A failure is
         shown before the stop (which can take stop_grace_s): clients see it at once. A stop on
-        request shows STOPPING during the stop and STOPPED once vLLM is gone."""
+        request shows STOPPING during the stop and STOPPED once vLLM is gone. A failure while a
+        switch is under way holds the node instead (`_hold`), unless `hold` is False (a signal)."""
+        if hold and self.switching and code in (EXIT_NEVER_READY, EXIT_DIED) and self.phase != "held":
+            return self._hold(out, code, detail, stop)
         self.phase = "done"
         if state != S.STOPPED:
             self._show(out, state, detail)
@@ -174,7 +191,7 @@ class NodePolicy:
     def start(self, now: float) -> list[Action]:
         """The first step: the restart backoff, if the history calls for one."""
         out: list[Action] = []
-        self.t_start = now
+        self.t_start = self._now = now
         delay = backoff_delay(self.failures) if self.track_history else 0.0
         if delay > 0:
             self.phase, self.backoff_until = "backoff", now + delay
@@ -203,10 +220,18 @@ class NodePolicy:
 
     def step(self, now: float, ev: Events) -> list[Action]:
         out: list[Action] = []
+        self._now = now
         if self.phase == "done":
             return out
         if ev.signal is not None:
             return self._on_signal(out, ev.signal, now)
+        if self.is_head and ev.switching is not None:
+            self.switching = ev.switching
+        if self.phase == "held":
+            return self._held(out, now, ev)
+        if (self.is_head and ev.wanted_line and self.runtime_line and ev.wanted_line != self.runtime_line
+                and self.phase != "draining"):
+            return self._switch(out, now, ev.wanted_line)
         if self.phase == "draining":
             return self._draining(out, now, ev)
         if self.phase == "backoff":
@@ -222,7 +247,7 @@ class NodePolicy:
         running = self.phase in ("vllm", "draining")
         if sig == signal.SIGHUP:
             why = f"received SIGHUP: restarting the node (a failure exit: Restart=on-failure brings it back)"
-            return self._end(out, EXIT_DIED, S.FAILED, why, stop=name if running else "")
+            return self._end(out, EXIT_DIED, S.FAILED, why, stop=name if running else "", hold=False)
         if self.phase == "backoff":
             return self._end(out, EXIT_OK, S.STOPPED, "stopped during the restart backoff", history="keep")
         if self.phase == "workers":
@@ -249,18 +274,23 @@ class NodePolicy:
         (systemd is stopping the unit); the peers are still watched: a broken pair cannot finish
         anything, so it ends the drain at once."""
         name = self.drain_signal
+        # A drain for a switch ends the run for the next line (shown STOPPING: the pair goes on).
+        code, final = (EXIT_SWITCH, S.STOPPING) if self.switch_to else (EXIT_OK, S.STOPPED)
+        hist = "keep" if self.switch_to else None
         if ev.vllm_exit is not None:
-            return self._end(out, EXIT_OK, S.STOPPED, f"vLLM drained its requests and stopped after {name}")
+            return self._end(out, code, final, f"vLLM drained its requests and stopped after {name}", history=hist)
         if self.peers and ev.peers is not None:
             broken = self._peers(now, ev.peers)
             if broken:
-                return self._end(out, EXIT_OK, S.STOPPED, f"drain cut short, pair broken: {broken}",
-                                 stop="pair broken during the drain")
+                return self._end(out, code, final, f"drain cut short, pair broken: {broken}",
+                                 stop="pair broken during the drain", history=hist)
+        if self.switch_to:
+            self._feed(out, now)  # a switch's drain: the unit is not stopping, its watchdog runs
         if now >= self.drain_until:
             lim = self.limits
-            return self._end(out, EXIT_OK, S.STOPPED,
+            return self._end(out, code, final,
                              f"vLLM still running {lim.drain_s + lim.stop_grace_s:g} s after {name} "
-                             f"(drain_s + stop_grace_s): killed", stop="the drain overran", at_once=True)
+                             f"(drain_s + stop_grace_s): killed", stop="the drain overran", at_once=True, history=hist)
         if self.peers and "peers" not in ev.running and now - self.last_peers >= PEERS_POLL_S:
             self.last_peers = now
             out.append(Action("poll_peers"))
@@ -274,6 +304,8 @@ class NodePolicy:
     def _waiting_for_workers(self, out: list[Action], now: float, ev: Events) -> list[Action]:
         """The head starts vLLM only once every worker's agent reports the rendezvous."""
         self._extend(out, now)
+        if self.resumed:
+            self._feed(out, now)
         if ev.peers is not None:
             other = self._other_line(ev.peers)
             if other is not None:
@@ -282,6 +314,9 @@ class NodePolicy:
             for p in self.peers:
                 a = ev.peers.get(p.name)
                 self.workers_seen[p.name] = a.state.get("state") if a is not None and a.state else "unreachable"
+                theirs = (a.state or {}).get("runtime_line") if a is not None else None
+                if theirs and self.runtime_line and theirs != self.runtime_line:
+                    self.workers_seen[p.name] = f"on line {theirs}"
                 if self.workers_seen[p.name] != S.RENDEZVOUS:
                     waiting.append(p)
             if not waiting:
@@ -307,6 +342,8 @@ class NodePolicy:
         for p in self.peers:
             a = answers.get(p.name)
             theirs = (a.state or {}).get("runtime_line") if a is not None else None
+            if self.file_line and (a.state or {}).get("file_line") == self.file_line:
+                continue  # the same cluster file: the worker follows this head onto its line
             if self.runtime_line and isinstance(theirs, str) and theirs and theirs != self.runtime_line:
                 return (f"refusing to form the pair on two runtime lines: {p.name} runs {theirs}, this head "
                         f"runs {self.runtime_line}; put every node on one line (serving.runtime_line in the "
@@ -379,6 +416,10 @@ class NodePolicy:
                 self._show(out, stage, stage_detail(stage))
 
         if self.peers:
+            if ev.peers is not None and not self.is_head:
+                to = self._head_line(ev.peers)
+                if to is not None:
+                    return self._switch(out, now, to)
             if ev.peers is not None:
                 broken = self._peers(now, ev.peers)
                 if broken:
@@ -403,13 +444,105 @@ class NodePolicy:
             out.append(Action("clear_history"))
 
         wd = self.watchdog_s
-        if self.ready and wd and now - self.last_dog >= wd and self._watchdog_ok(now, ev):
+        # A run that goes on after a switch starts under a watchdog armed by the first run's READY:
+        # it is fed while this run starts (ready_timeout_s bounds the start), as the first run's
+        # start was covered by the start timeout.
+        starting_again = self.resumed and not self.ready and self.phase == "vllm"
+        if (self.ready or starting_again) and wd and now - self.last_dog >= wd and self._watchdog_ok(now, ev):
             self.last_dog = now
             out.append(Action("watchdog"))
         return out
 
-    def _watchdog_ok(self, now: float, ev: Events) -> bool:
+    # ---------------------------------------------------------------- runtime lines
+    def _head_line(self, answers: dict[str, AgentAnswer]) -> str | None:
+        """A worker: the line its head runs, when it is not this worker's and the head reads the
+        same cluster file (then the pair's line is the head's: the worker follows). The head's
+        switch record, when it shows one, says whether a failure on the way holds."""
+        head = next((p for p in self.peers if p.is_head), None)
+        a = answers.get(head.name) if head is not None else None
+        st = a.state if a is not None else None
+        if not st:
+            return None
+        if not self.is_head:
+            self.switching = bool(st.get("line_switch"))
+        theirs = st.get("runtime_line")
+        if (isinstance(theirs, str) and theirs and self.runtime_line and theirs != self.runtime_line
+                and self.file_line and st.get("file_line") == self.file_line):
+            return theirs
+        return None
+
+    def _switch(self, out: list[Action], now: float, to: str) -> list[Action]:
+        """End this run to go on on line `to`: a serving head drains first (drain_s), anything
+        else stops vLLM at once; a worker that does not have the line holds."""
+        if not self.is_head and to not in self.installed:
+            why = (f"cannot follow the head onto runtime line {to}: it is not installed on this node "
+                   f"(serving.line_commands has {', '.join(sorted(self.installed)) or 'no line'})")
+            self.switching = True
+            return self._hold(out, EXIT_NEVER_READY, why, "the head left this line" if self.phase == "vllm" else "",
+                              held_on=to)
+        self.switch_to = to
+        what = f"switching from runtime line {self.runtime_line} to {to}"
+        if self.is_head and self.phase == "vllm" and self.ready and self.limits.drain_s > 0:
+            lim = self.limits
+            self.phase, self.drain_signal = "draining", "the switch"
+            self.drain_until = now + lim.drain_s + lim.stop_grace_s
+            self._show(out, S.STOPPING, f"{what}: draining the requests in flight (up to {lim.drain_s:g} s)")
+            out.append(Action("drain", detail="the switch", seconds=lim.drain_s))
+            return out
+        running = self.phase == "vllm"
+        # A worker follows a head whose vLLM is gone already: its own has nothing left to finish.
+        return self._end(out, EXIT_SWITCH, S.STOPPING, what, stop=what if running else "", history="keep",
+                         at_once=not self.is_head)
+
+    def _hold(self, out: list[Action], code: int, detail: str, stop: str, held_on: str | None = None) -> list[Action]:
+        """A failure while the pair switches lines: stop vLLM, show FAILED and stay (the agent
+        answering) until the pair's line changes (the switch's rollback) or the hold times out;
+        exiting would end `dspark local up`, and under systemd restart onto the same line."""
+        lim = self.limits
+        self.phase, self.held_code = "held", code
+        self.held_on = held_on or self.runtime_line
+        self.hold_s = max(lim.ready_timeout_s, lim.worker_wait_timeout_s)
+        self.hold_until = self._now + self.hold_s
+        detail = f"{detail}; holding until the pair's runtime line changes (the switch's rollback)"
+        self._show(out, S.FAILED, detail)
+        if stop:
+            out.append(Action("stop", state=self.state, detail=stop))
+            self._show(out, S.FAILED, detail)
+        return out
+
+    def _held(self, out: list[Action], now: float, ev: Events) -> list[Action]:
+        to = None
         if self.is_head:
+            if ev.wanted_line and ev.wanted_line != self.held_on:
+                to = ev.wanted_line
+        elif ev.peers is not None:
+            head = next((p for p in self.peers if p.is_head), None)
+            a = ev.peers.get(head.name) if head is not None else None
+            st = (a.state if a is not None else None) or {}
+            theirs = st.get("runtime_line")
+            if (isinstance(theirs, str) and theirs and theirs != self.held_on and st.get("file_line") == self.file_line
+                    and theirs in self.installed):
+                to = theirs
+        if to is not None:
+            self.switch_to = to
+            return self._end(out, EXIT_SWITCH, S.STOPPING, f"the pair moved to runtime line {to}", history="keep")
+        if now >= self.hold_until:
+            self.switching = False
+            return self._end(out, self.held_code, S.FAILED, f"{self.detail.split('; holding')[0]}; the pair's line "
+                             f"did not change within {self.hold_s:g} s")
+        if not self.is_head and "peers" not in ev.running and now - self.last_peers >= PEERS_POLL_S:
+            self.last_peers = now
+            out.append(Action("poll_peers"))
+        self._feed(out, now)  # holding on purpose, not hung
+        return out
+
+    def _feed(self, out: list[Action], now: float) -> None:
+        if self.watchdog_s and now - self.last_dog >= self.watchdog_s:
+            self.last_dog = now
+            out.append(Action("watchdog"))
+
+    def _watchdog_ok(self, now: float, ev: Events) -> bool:
+        if self.is_head and self.ready:
             # Only while a liveness round found the engine alive recently (progress or probe).
             return self.judge.fed(now)
         return ev.vllm_exit is None

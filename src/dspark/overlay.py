@@ -1,7 +1,14 @@
-"""Apply the Spark runtime overlay (overlay/series) to an installed vLLM tree.
+"""Apply the Spark runtime overlay (a runtime line's patch series) to an installed vLLM tree.
 
 Used by the flake's runtime build and by the tests. Standard library only:
 the Nix build runs it with a bare Python and GNU ``patch``.
+
+A series is a file of patch paths, one a line, relative to the series file's own folder:
+``overlay/series`` is the v0.28.0 line's, ``overlay/lines/<line>/series`` a later line's (its
+ported patches beside it, the patches it keeps as they are named as ``../../NNNN-....patch``).
+The vLLM release a series was written for is its ``# vllm-version: X`` line; a series without
+one (``overlay/series``) is the v0.28.0 line's. Which file is which line's is data
+(``series_file`` in ``dspark/data/runtime_lines.toml``).
 
 The series is applied to a staging copy of the files it touches; only when
 every patch applies are the patched files copied into the tree, and a failed
@@ -25,29 +32,48 @@ SUPPORTED_VLLM_VERSION = "0.28.0"
 DEFAULT_OVERLAY_DIR = Path(__file__).resolve().parents[2] / "overlay"
 
 _PATCH_PATH = re.compile(r"^(?:---|\+\+\+) (?:a|b)/(\S+)", re.MULTILINE)
+_VERSION_LINE = re.compile(r"^#\s*vllm-version:\s*(\S+)\s*$", re.MULTILINE)
 
 
 class OverlayError(Exception):
     """The overlay cannot be applied; the message says why."""
 
 
-def read_series(overlay_dir: Path) -> list[Path]:
-    """Patch files named by ``overlay_dir/series``, in order."""
-    series = overlay_dir / "series"
+def series_file(overlay: Path) -> Path:
+    """The series file ``overlay`` names: itself, or the ``series`` file of a folder."""
+    overlay = Path(overlay)
+    series = overlay / "series" if overlay.is_dir() else overlay
     if not series.is_file():
-        raise OverlayError(f"no series file in {overlay_dir}")
+        raise OverlayError(f"no series file in {overlay}" if overlay.is_dir() or not overlay.exists()
+                           else f"{overlay} is not a series file")
+    return series
+
+
+def read_series(overlay: Path) -> list[Path]:
+    """Patch files named by the series (``overlay``: a folder holding ``series``, or a series
+    file), in order; each entry is a path relative to the series file's folder."""
+    series = series_file(overlay)
     patches = []
     for line in series.read_text().splitlines():
         name = line.strip()
         if not name or name.startswith("#"):
             continue
-        path = overlay_dir / name
-        if not path.is_file():
-            raise OverlayError(f"series names {name}, which is not in {overlay_dir}")
+        path = series.parent / name
+        if Path(name).is_absolute() or not path.is_file():
+            raise OverlayError(f"series names {name}, which is not in {series.parent}")
         patches.append(path)
     if not patches:
         raise OverlayError(f"{series} names no patches")
     return patches
+
+
+def series_vllm_version(overlay: Path) -> str:
+    """The vLLM release the series was written for: its ``# vllm-version:`` line, else the
+    v0.28.0 line's release (``overlay/series`` predates the line)."""
+    found = _VERSION_LINE.findall(series_file(overlay).read_text())
+    if len(found) > 1:
+        raise OverlayError(f"{series_file(overlay)} names {len(found)} vllm-version lines; give one")
+    return found[0] if found else SUPPORTED_VLLM_VERSION
 
 
 def touched_files(patch: Path) -> list[str]:
@@ -98,12 +124,15 @@ def installed_vllm_version(site_packages: Path) -> str:
                        f"string in {version_py} and no vllm dist-info")
 
 
-def check_version(site_packages: Path) -> str:
+def check_version(site_packages: Path, expected: str | None = None) -> str:
+    """The tree's vLLM version, refused unless it is ``expected`` (default: the module's
+    SUPPORTED_VLLM_VERSION, read at call time)."""
+    expected = expected or SUPPORTED_VLLM_VERSION
     version = installed_vllm_version(site_packages)
     # A local suffix (e.g. "+cpu") does not change the Python sources.
-    if version.split("+", 1)[0] != SUPPORTED_VLLM_VERSION:
+    if version.split("+", 1)[0] != expected:
         raise OverlayError(
-            f"the overlay was written for vLLM {SUPPORTED_VLLM_VERSION}; "
+            f"the overlay was written for vLLM {expected}; "
             f"{site_packages} holds vLLM {version}"
         )
     return version
@@ -153,7 +182,8 @@ def _stage(site_packages: Path, paths: Sequence[str], staging: Path) -> None:
 
 
 def is_applied(site_packages: Path, overlay_dir: Path) -> bool:
-    """Whether the whole series is already in the tree (it reverses cleanly)."""
+    """Whether the whole series (``overlay_dir``: a folder holding ``series``, or a series file)
+    is already in the tree (it reverses cleanly)."""
     site_packages, overlay_dir = Path(site_packages).absolute(), Path(overlay_dir).absolute()
     patches = read_series(overlay_dir)
     paths = [p for patch in patches for p in touched_files(patch)]
@@ -170,7 +200,8 @@ def is_applied(site_packages: Path, overlay_dir: Path) -> bool:
 def apply_series(
     site_packages: Path, overlay_dir: Path = DEFAULT_OVERLAY_DIR, *, dry_run: bool = False
 ) -> list[str]:
-    """Apply every patch of the series to the vLLM tree under ``site_packages``.
+    """Apply every patch of the series (``overlay_dir``: a folder holding ``series``, or a
+    series file) to the vLLM tree under ``site_packages``.
 
     Returns the names of the patches applied (or that would be, on a dry run).
     Raises :class:`OverlayError` on a vLLM version the series was not written
@@ -180,7 +211,7 @@ def apply_series(
     # Absolute: `patch -d DIR -i FILE` reads FILE after changing into DIR.
     site_packages = Path(site_packages).absolute()
     overlay_dir = Path(overlay_dir).absolute()
-    check_version(site_packages)
+    check_version(site_packages, series_vllm_version(overlay_dir))
     patches = read_series(overlay_dir)
     paths = [p for patch in patches for p in touched_files(patch)]
     paths = list(dict.fromkeys(paths))
@@ -242,6 +273,17 @@ def _install(site_packages: Path, staging: Path, paths: Sequence[str], backup: P
 EXIT_NOT_APPLIED = 3  # `check`: the tree does not carry the series (1 is an error)
 
 
+def line_series(line_id: str) -> Path:
+    """The series file of a runtime line (its ``series_file`` in dspark/data/runtime_lines.toml,
+    relative to the checkout that holds ``overlay/``)."""
+    from . import runtime_lines  # not in the Nix build's copy of this module: it passes the series
+
+    lines = runtime_lines.load()
+    if line_id not in lines.lines:
+        raise OverlayError(runtime_lines.unknown_line_message(line_id, lines).replace("serving.runtime_line", "--line"))
+    return DEFAULT_OVERLAY_DIR.parent / lines.lines[line_id].series_file
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m dspark.overlay") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -251,14 +293,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m dspark.overla
     )
     parser.add_argument("command", choices=("apply", "check"))
     parser.add_argument("site_packages", type=Path, help="directory holding vllm/")
-    parser.add_argument("--overlay-dir", type=Path, default=DEFAULT_OVERLAY_DIR)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--overlay-dir", "--series", type=Path, default=None, dest="overlay_dir", metavar="PATH",
+                       help="a folder holding a series file, or a series file (default: the v0.28.0 "
+                            "line's, overlay/)")
+    where.add_argument("--line", help="the series of this runtime line (its series_file in "
+                                      "dspark/data/runtime_lines.toml)")
     parser.add_argument(
         "--dry-run", action="store_true", help="check that every patch applies"
     )
     args = parser.parse_args(argv)
     try:
+        if args.line is not None:
+            args.overlay_dir = line_series(args.line)
+        elif args.overlay_dir is None:
+            args.overlay_dir = DEFAULT_OVERLAY_DIR
         if args.command == "check":
-            version = check_version(args.site_packages)
+            version = check_version(args.site_packages, series_vllm_version(args.overlay_dir))
             applied = is_applied(args.site_packages, args.overlay_dir)
             print(f"vLLM {version}: overlay {'applied' if applied else 'not applied'}")
             return 0 if applied else EXIT_NOT_APPLIED

@@ -53,7 +53,11 @@ class Line:
     lock_state: str
     requirements: str
     pins: dict[str, str]
-    series: tuple[str, ...]  # the patches that apply as they are, in order
+    # The line's series file, relative to the checkout (overlay/series, overlay/lines/<id>/series):
+    # what dspark.overlay and the flake's per-line runtime apply.
+    series_file: str
+    series: tuple[str, ...]  # the patches the series file applies, in order
+    ported: tuple[str, ...]  # those of `series` rewritten against this line's release (beside its series file)
     needs_port: tuple[str, ...]  # kept, but not yet applicable: the line's open work
     dropped: tuple[dict[str, str], ...]  # {patch, taken_in, evidence}
     open_work: dict[str, str]
@@ -107,8 +111,9 @@ def _line(line_id: str, raw: dict[str, Any]) -> Line:
     series = raw.get("series", {})
     return Line(
         id=line_id, vllm=raw["vllm"], summary=raw["summary"], lock=raw["lock"], lock_state=raw["lock_state"],
-        requirements=raw["requirements"], pins=dict(raw["pins"]),
-        series=tuple(series.get("applies", ())), needs_port=tuple(series.get("needs_port", ())),
+        requirements=raw["requirements"], pins=dict(raw["pins"]), series_file=raw["series_file"],
+        series=tuple(series.get("applies", ())), ported=tuple(series.get("ported", ())),
+        needs_port=tuple(series.get("needs_port", ())),
         dropped=tuple(dict(d) for d in raw.get("dropped", ())), open_work=dict(raw.get("open_work", {})),
         names={s: tuple(names[s]) for s in SETTINGS},
         sources={s: names[f"{s}_source"] for s in SETTINGS},
@@ -142,6 +147,12 @@ def check_data(lines: Lines) -> list[str]:
     if lines.default not in lines.lines:
         p.append(f"default {lines.default!r} is not a line")
     for line in lines.lines.values():
+        if not set(line.ported) <= set(line.series):
+            p.append(f"{line.id}: ported {', '.join(sorted(set(line.ported) - set(line.series)))} "
+                     "not in the line's series")
+        if set(line.needs_port) & set(line.series):
+            p.append(f"{line.id}: {', '.join(sorted(set(line.needs_port) & set(line.series)))} both applies "
+                     "and needs a port")
         for setting in SETTINGS:
             vocab = line.vocabulary[setting]
             for seed_name in lines.seed_meanings[setting]:

@@ -54,7 +54,9 @@ class NodeState:
     liveness: Liveness | None = None
     api_url: str | None = None
     dspark_version: str = __version__
-    runtime_line: str | None = None  # the runtime line this node runs (serving.runtime_line)
+    runtime_line: str | None = None  # the runtime line this node runs (dspark.line_state)
+    file_line: str | None = None     # the cluster file's line (serving.runtime_line)
+    line_switch: dict | None = None  # the head: the switch under way (dspark.line_state.Switch), else None
     # What `dspark check` on a peer compares (dspark.preflight.peer.local_identity): the cluster
     # file's SHA-256, the model directory's fingerprint, vLLM's version and sources' SHA-256.
     identity: dict | None = None

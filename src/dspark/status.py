@@ -33,7 +33,8 @@ def wait_for_workers(
             s = agent_state(w.agent_url, timeout=min(2.0, poll_s * 4))
             last[w.name] = (s or {}).get("state", "unreachable")
             theirs, mine = (s or {}).get("runtime_line"), cluster.serving.runtime_line
-            if isinstance(theirs, str) and theirs and theirs != mine:
+            same_file = (s or {}).get("file_line") == mine  # then the worker follows its head's line
+            if isinstance(theirs, str) and theirs and theirs != mine and not same_file:
                 return False, (f"{w.name} runs runtime line {theirs}, this cluster file says {mine}: "
                                "a pair does not form on two lines; put every node on one line "
                                "(serving.runtime_line in the same cluster file on every node)")
@@ -57,7 +58,7 @@ def collect(cluster: Cluster, token: str | None = None) -> dict:
         s = agent_state(n.agent_url)
         nodes.append({"name": n.name, "rank": n.rank, "agent": n.agent_url, "reachable": s is not None,
                       "state": (s or {}).get("state", "unreachable"), "detail": (s or {}).get("detail", ""),
-                      "runtime_line": (s or {}).get("runtime_line"),
+                      "runtime_line": (s or {}).get("runtime_line"), "line_switch": (s or {}).get("line_switch"),
                       "vllm_pid": (s or {}).get("vllm_pid"), "vllm_version": (s or {}).get("vllm_version"),
                       "restarts": (s or {}).get("restarts"), "uptime_s": (s or {}).get("uptime_s"),
                       "liveness": (s or {}).get("liveness")})
@@ -88,6 +89,12 @@ def render_table(snap: dict) -> str:
         live = n.get("liveness")
         if isinstance(live, dict):
             lines.append(f"liveness ({n['name']}): {liveness_line(live)}")
+    for n in snap["nodes"]:
+        sw = n.get("line_switch")
+        if isinstance(sw, dict):
+            what = "rolling back" if sw.get("rollback") else "switching"
+            lines.append(f"runtime line: {what} {sw.get('from')} -> {sw.get('to')} ({sw.get('id')}; dspark switch "
+                         "--history on the head)")
     lines.append("pair: SERVING" if snap["serving"] else "pair: NOT SERVING")
     return "\n".join(lines)
 

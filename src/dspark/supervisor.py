@@ -13,53 +13,33 @@ and speaks sd_notify, serves the node agent and keeps the failure history (resta
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 from pathlib import Path
 from typing import TextIO
 
-from . import hardware
+from . import hardware, line_state
+from . import log as L
 from . import states as S
 from .agent import Agent
-from .config import Cluster, NodeConfig
+from .config import Cluster, ConfigError, NodeConfig
 from .credentials import API_KEY_CREDENTIAL, API_KEY_ENV, read_api_key  # noqa: F401 (re-exported)
 from .liveness import LivenessJudge
 from .node_policy import (  # noqa: F401 (re-exported: the CLI, units and tests name them here)
-    BACKOFF_FIRST_S, BACKOFF_MAX_S, BACKOFF_STABLE_S, EXIT_CONFIG, EXIT_DIED, EXIT_NEVER_READY, EXIT_OK,
+    BACKOFF_FIRST_S, BACKOFF_MAX_S, BACKOFF_STABLE_S, EXIT_CONFIG, EXIT_DIED, EXIT_NEVER_READY, EXIT_OK, EXIT_SWITCH,
     Action, Events, Limits, NodePolicy, Peer, backoff_delay,
 )
 from .notify import Notifier
 from .probes import Background, VllmProbes, liveness_round, poll_agents, ready_probe
+from .rdma import resolve_gid_index  # noqa: F401 (re-exported: its old home)
 from .render import Launch, render
 from .signals import SignalQueue
 from .vllm_process import GROUP_GONE_S, VllmProcess
 
 FAILURES_FILE = "failures.json"
 STOPPED_LINGER_S = 1.5  # how long the agent keeps answering after a clean stop
-
-
-def resolve_gid_index(device: str, address: str, sysfs: Path = Path("/sys/class/infiniband")) -> str | None:
-    """The GID index of `device` port 1 that carries `address` as a RoCE v2 IPv4 GID.
-
-    The index can change after a reboot, so it is looked up at each launch (a stale shared
-    NCCL_IB_GID_INDEX has wedged NCCL)."""
-    import ipaddress
-
-    port = sysfs / device / "ports" / "1"
-    mapped = ipaddress.IPv6Address("::ffff:" + address).exploded  # IPv4-mapped GID form
-    gids = port / "gids"
-    if not gids.is_dir():
-        return None
-    for entry in sorted(gids.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1):
-        try:
-            gid = entry.read_text().strip()
-            kind = (port / "gid_attrs" / "types" / entry.name).read_text().strip()
-        except OSError:
-            continue
-        if gid.replace(":", "") == mapped.replace(":", "") and "v2" in kind.lower():
-            return entry.name
-    return None
 
 
 class FailureHistory:
@@ -103,6 +83,9 @@ class Supervisor:
         tick_s: float = 0.1,
         backoff: bool = False,
         signals: SignalQueue | None = None,
+        file_line: str | None = None,
+        switching: bool = False,
+        count_start: bool = True,
     ):
         self.cluster = cluster
         self.node = node
@@ -118,14 +101,19 @@ class Supervisor:
             if node.gid_index == "auto" and node.rdma_device:
                 gid = resolve_gid_index(node.rdma_device, node.address)
                 if gid is None:
-                    self.say(f"no RoCE v2 GID for {node.address} on {node.rdma_device}; NCCL picks one")
+                    self.say(f"no RoCE v2 GID for {node.address} on {node.rdma_device}; NCCL picks one",
+                             logging.WARNING)
             launch = render(cluster, node, gid)
         self.vllm = VllmProcess(launch, dict(os.environ if env is None else env), api_key=api_key)
         self.probes = VllmProbes(node.api_url, cluster.model.served_name, api_key)
+        # The line this run is on (cluster, from dspark.line_state) and the cluster file's own.
+        self.file_line = file_line or cluster.serving.runtime_line
+        self._line_mtime: float | None = None
+        self._wanted: line_state.LineState | None = None
         self.state = S.NodeState(node=node.name, rank=node.rank, role="head" if node.is_head else "worker",
-                                 restarts=_count_start(state_dir),
+                                 restarts=_count_start(state_dir) if count_start else _read_starts(state_dir),
                                  api_url=cluster.head.api_url if node.is_head else None,
-                                 runtime_line=cluster.serving.runtime_line)
+                                 runtime_line=cluster.serving.runtime_line, file_line=self.file_line)
         import threading
 
         self._lock = threading.Lock()
@@ -136,7 +124,9 @@ class Supervisor:
         self.policy = NodePolicy(is_head=node.is_head, limits=Limits.of(self.sup), judge=judge, peers=peers,
                                  api_url=node.api_url, watchdog_s=self.notify.watchdog_interval,
                                  track_history=self.history is not None,
-                                 runtime_line=cluster.serving.runtime_line)
+                                 runtime_line=cluster.serving.runtime_line, file_line=self.file_line,
+                                 installed=frozenset({*cluster.serving.line_commands, self.file_line}),
+                                 switching=switching, resumed=not count_start)
         wake = self.signals.wake
         self._ready_probe: Background = Background("ready-probe", wake)
         self._round: Background = Background("liveness-round", wake)
@@ -145,8 +135,9 @@ class Supervisor:
         self._gpu = hardware.Gpu()
 
     # ------------------------------------------------------------------ small helpers
-    def say(self, msg: str) -> None:
-        print(f"dspark[{self.node.name}]: {msg}", file=self.log, flush=True)
+    def say(self, msg: str, level: int = logging.INFO) -> None:
+        """One line of this node's log, at `level` (dspark.log: the journal's priority)."""
+        L.line(level, f"dspark[{self.node.name}]: {msg}", self.log)
 
     def set_state(self, state: str, detail: str = "") -> None:
         with self._lock:
@@ -156,7 +147,7 @@ class Supervisor:
             self.state.detail = detail
         text = f"{state}: {detail}" if detail else state
         self.notify.status(text)
-        self.say(text)
+        self.say(text, logging.ERROR if state == S.FAILED else L.NOTICE)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -202,8 +193,23 @@ class Supervisor:
             self.agent.stop()
             self.notify.close()
 
+    def _read_wanted(self) -> None:
+        """The head: the pair's line as its state file says (`dspark switch` writes it), re-read
+        when the file changes; its switch record is served to the workers."""
+        m = line_state.mtime(self.state_dir)
+        if self._wanted is not None and m == self._line_mtime:
+            return
+        self._line_mtime = m
+        self._wanted = line_state.current(self.state_dir, self.file_line)
+        sw = self._wanted.switch
+        with self._lock:
+            self.state.line_switch = sw.to_json() if sw else None
+
     def _events(self, sig: int | None) -> Events:
         ev = Events(signal=sig, vllm_exit=self.vllm.poll(), stage=self.vllm.stage)
+        if self.node.is_head and self.state_dir is not None:
+            self._read_wanted()
+            ev.wanted_line, ev.switching = self._wanted.line, self._wanted.switch is not None
         running = set()
         for bg, attr in ((self._ready_probe, "ready_probe"), (self._round, "round"), (self._peers, "peers")):
             finished, result = bg.take()
@@ -222,7 +228,9 @@ class Supervisor:
             if k == "state":
                 self.set_state(a.state, a.detail)
             elif k == "say":
-                self.say(a.detail)
+                # The policy's one warning among its remarks: a liveness round that failed.
+                failed_round = p.verdict is not None and not p.verdict.alive and a.detail == p.verdict.reason
+                self.say(a.detail, logging.WARNING if failed_round else logging.INFO)
             elif k == "extend":
                 self.notify.extend_timeout(a.seconds)
             elif k == "start_vllm":
@@ -292,23 +300,40 @@ class Supervisor:
         pid = self.vllm.pid
         self.say(f"{signame}: draining vLLM (pid {pid}): its requests in flight finish within {drain_s:g} s, "
                  "new requests are turned away")
-        # The unit is stopping: systemd pauses the watchdog; the stop may take the drain, the
-        # grace after it and the sweep of vLLM's group.
-        self.notify.send(stopping=1, status=self._status_line(),
-                         extend_timeout_usec=int((drain_s + self.sup.stop_grace_s + GROUP_GONE_S + 15) * 1e6))
+        if self._goes_on():
+            # A switch's drain: the unit is not stopping (the policy feeds its watchdog meanwhile).
+            self.notify.status(self._status_line())
+        else:
+            # The unit is stopping: systemd pauses the watchdog; the stop may take the drain, the
+            # grace after it and the sweep of vLLM's group.
+            self.notify.send(stopping=1, status=self._status_line(),
+                             extend_timeout_usec=int((drain_s + self.sup.stop_grace_s + GROUP_GONE_S + 15) * 1e6))
         self.vllm.drain()
+
+    def _goes_on(self) -> bool:
+        """Whether this process goes on once vLLM is stopped: a switch (the next run, on the new
+        line, follows in this process: serve()) or a hold (the node waits for the pair's line to
+        change). Then the unit is not stopping: STOPPING=1 cannot be taken back (systemd would
+        keep the unit deactivating and kill it TimeoutStopSec later, mid-switch)."""
+        return self.policy.phase == "held" or self.policy.switch_to is not None
 
     def _stop_vllm(self, reason: str, at_once: bool = False) -> None:
         grace = 0.0 if at_once else self.sup.stop_grace_s
+        goes_on, room_s, lengthened = self._goes_on(), grace + GROUP_GONE_S + 15, []
 
         def stopping(pid: int) -> None:
             self.say(f"stopping vLLM (pid {pid}): {reason}")
-            # The unit is stopping: systemd pauses the watchdog and gives the stop its time.
-            self.notify.send(stopping=1, status=self._status_line(),
-                             extend_timeout_usec=int((grace + GROUP_GONE_S + 15) * 1e6))
+            if not goes_on:
+                # The unit is stopping: systemd pauses the watchdog and gives the stop its time.
+                self.notify.send(stopping=1, status=self._status_line(), extend_timeout_usec=int(room_s * 1e6))
+            elif self.notify.watchdog_usec:
+                # Not stopping (a switch, a hold): the watchdog runs on, lengthened for the stop.
+                lengthened.append(self.notify.send(watchdog_usec=int(room_s * 1e6), status=self._status_line()))
 
         if self.vllm.stop(grace, stopping) and grace > 0:
-            self.say(f"vLLM did not exit within {grace:g} s; SIGKILL")
+            self.say(f"vLLM did not exit within {grace:g} s; SIGKILL", logging.WARNING)
+        if any(lengthened):
+            self.notify.send(watchdog_usec=self.notify.watchdog_usec)  # the unit's WatchdogSec again
         with self._lock:
             self.state.vllm_pid = None
 
@@ -320,6 +345,14 @@ def _clear_starts(state_dir: Path | None) -> None:
             (Path(state_dir) / "starts").unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def _read_starts(state_dir: Path | None) -> int:
+    """The restarts already counted (a switch's next run is the same start)."""
+    try:
+        return max(0, int((Path(state_dir) / "starts").read_text().strip()) - 1) if state_dir else 0
+    except (OSError, ValueError):
+        return 0
 
 
 def _count_start(state_dir: Path | None) -> int:
@@ -347,7 +380,29 @@ def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
     it first thing, so that no signal is lost while the cluster file is read). `identity`:
     what the agent reports for a peer's `dspark check` (dspark.preflight.peer.local_identity)."""
     # The restart backoff only matters where something restarts the node: under systemd.
-    sup = Supervisor(cluster, node, state_dir=state_dir, api_key=read_api_key(),
-                     backoff="INVOCATION_ID" in os.environ, signals=signals or SignalQueue().install())
-    sup.state.identity = identity
-    return sup.run()
+    signals = signals or SignalQueue().install()
+    api_key, backoff = read_api_key(), "INVOCATION_ID" in os.environ
+    file_line = cluster.serving.runtime_line
+    st = line_state.current(state_dir, file_line)
+    line, switching, first = st.line, st.switch is not None, True
+    while True:
+        try:
+            on_line = cluster.on_line(line)
+        except ConfigError as e:
+            if line == file_line:
+                raise
+            # The state names a line this cluster file no longer installs: back to the file's.
+            L.line(logging.WARNING, f"dspark[{node.name}]: {e.problems[0]}; running the cluster file's line {file_line}")
+            line, on_line = file_line, cluster.on_line(file_line)
+        sup = Supervisor(on_line, on_line.node(node.name), state_dir=state_dir, api_key=api_key, backoff=backoff and first,
+                         signals=signals, file_line=file_line, switching=switching, count_start=first)
+        sup.state.identity = identity
+        code = sup.run()
+        to = sup.policy.switch_to
+        if code != EXIT_SWITCH or not to:
+            return code
+        if not node.is_head and state_dir is not None:
+            # A worker keeps the pair's line, so that it comes back on it after a restart.
+            line_state.write(state_dir, line_state.LineState(to, file_line))
+        sup.say(f"going on on runtime line {to}")
+        line, switching, first = to, True, False

@@ -74,6 +74,10 @@ for (const n of document.querySelectorAll('.node')) {
 }
 const b = document.getElementById('banner');
 out.banner = b.hidden ? null : b.textContent;
+out.runtimeLine = document.getElementById('line').textContent;
+const sw = document.getElementById('switch');
+out.switching = sw.hidden ? null : sw.textContent;
+out.otherLine = Array.from(document.querySelectorAll('.node.otherline')).map(n => n.dataset.node);
 return out;
 """
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from dspark import config
 from dspark.config import load
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
@@ -86,6 +87,10 @@ def test_every_panel_live_under_load(local_pair, dashboard_of, browser, artifact
     assert re.fullmatch(r"(progress|probe), \d+ s ago", page["nodes"]["local-head"]["liveness"]), page["nodes"]
     assert page["nodes"]["local-worker"]["liveness"] == "via the head"  # only the head runs liveness rounds
     assert float(page["panels"]["tokens"][1].replace(",", "")) > 0  # generated tokens
+    # the runtime line the real supervisors report: the cluster file's, on every card, nothing marked
+    line = config.load(local_pair.cluster_file).serving.runtime_line  # (`load` is the Load here)
+    assert {n["runtime_line"] for n in page["nodes"].values()} == {line} and page["runtimeLine"] == line, page
+    assert page["otherLine"] == [] and page["switching"] is None
 
 
 def test_unavailable_metrics_shown_then_recovered(local_pair, browser, metrics_stand_in, artifacts_dir):

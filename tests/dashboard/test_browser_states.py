@@ -3,8 +3,10 @@ dashboard's real collector and server, two real node agents, and vLLM's /metrics
 the captured scrapes (edited where a state needs other counters). Screenshots are kept.
 
 States: a prefill burst beside a small decode rate (each line on its own, labelled scale),
-idle (what moves is the head's liveness probe, and the page says so), and down (vLLM
-unreachable, the head stopped: quiet dashes, no wall of red, no stale PIDs)."""
+idle (what moves is the head's liveness probe, and the page says so), down (vLLM
+unreachable, the head stopped: quiet dashes, no wall of red, no stale PIDs), and a runtime-line
+switch (issue 23: the line on every card, a node on another line than the head's marked, the
+switch and its rollback in a strip while the head's state names one)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,12 @@ return {
            Object.fromEntries(Array.from(n.querySelectorAll('[data-field]')).map(e => [e.dataset.field, e.textContent]))])),
   width: document.documentElement.clientWidth,
   history: box('[data-panel="history"]'), nodesPanel: box('[data-panel="nodes"]'),
+  line: r('line') ? r('line').textContent : null,
+  switching: r('switch') && !r('switch').hidden ? r('switch').textContent : null,
+  otherLine: Array.from(document.querySelectorAll('.node.otherline')).map(n => n.dataset.node),
+  borders: Object.fromEntries(Array.from(document.querySelectorAll('.node')).map(n => [n.dataset.node,
+             getComputedStyle(n).borderTopColor])),
+  warn: getComputedStyle(document.documentElement).getPropertyValue('--warn').trim(),
   round: Number(document.body.dataset.round || 0),
 };
 """
@@ -63,11 +71,12 @@ def bump(text: str, metric: str, by: float) -> str:
 def page(metrics_stand_in, browser):
     states = {
         "local-head": A.NodeState(node="local-head", rank=0, role="head", state=A.SERVING, vllm_pid=4242,
-                                  vllm_version="0.28.0", liveness=A.Liveness(
+                                  vllm_version="0.28.0", runtime_line="v0.28.0", file_line="v0.28.0",
+                                  liveness=A.Liveness(
                                       ok=True, at=time.time(), latency_s=0.05, proof="probe",
                                       proof_at=time.time(), proof_detail="1-token completion in 0.05 s")),
         "local-worker": A.NodeState(node="local-worker", rank=1, role="worker", state=A.SERVING, vllm_pid=4343,
-                                    vllm_version="0.28.0"),
+                                    vllm_version="0.28.0", runtime_line="v0.28.0", file_line="v0.28.0"),
     }
     agents = {name: A.Agent("127.0.0.1", 0, st.snapshot).start() for name, st in states.items()}
     metrics_stand_in.text = scrape_text("a")
@@ -144,3 +153,54 @@ def test_down_pair_shows_quiet_dashes_not_red_cells_and_stale_figures(page, arti
     assert ctx["nodes"]["local-worker"]["vllm_pid"] == "4343"  # the worker still answers
     assert ctx["version"] == "—"
     assert "last" not in ctx["latencyTitle"] and "down" in ctx["latencyTitle"], ctx["latencyTitle"]
+
+
+def rgb(hex_colour: str) -> str:
+    h = hex_colour.lstrip("#")
+    return "rgb({}, {}, {})".format(*(int(h[i:i + 2], 16) for i in (0, 2, 4)))
+
+
+def test_runtime_line_on_every_card_other_line_marked_and_the_switch_shown(page, artifacts_dir):
+    """A switch as the head's agent reports it: the head's state names the switch, the head comes
+    back on the new line first and the worker follows; then a rollback."""
+    driver, _, states, _ = page
+    head, worker = states["local-head"], states["local-worker"]
+    lines = lambda c: {name: n.get("runtime_line") for name, n in c["nodes"].items()}  # noqa: E731
+    ctx = wait(driver, lambda c: lines(c) == {"local-head": "v0.28.0", "local-worker": "v0.28.0"})
+    assert ctx["line"] == "v0.28.0" and ctx["switching"] is None and ctx["otherLine"] == []
+    assert not any(n.get("linenote") for n in ctx["nodes"].values()), ctx["nodes"]
+
+    head.line_switch = {"id": "20261202T174500Z-v0.28.0-to-v0.29.0", "from": "v0.28.0", "to": "v0.29.0",
+                        "at": time.time(), "rollback": False}
+    ctx = wait(driver, lambda c: c["switching"] is not None)
+    assert ctx["switching"].startswith("switching v0.28.0 → v0.29.0"), ctx["switching"]
+    assert "20261202T174500Z-v0.28.0-to-v0.29.0" in ctx["switching"]
+    assert ctx["otherLine"] == []  # both still on v0.28.0
+
+    # the head drains and restarts on v0.29.0; the worker is still on v0.28.0
+    head.runtime_line, head.state, head.detail = "v0.29.0", A.LOADING, "loading the model on v0.29.0"
+    ctx = wait(driver, lambda c: c["otherLine"] != [])
+    driver.save_screenshot(str(artifacts_dir / "dashboard-line-switch.png"))
+    assert ctx["otherLine"] == ["local-worker"]
+    assert lines(ctx) == {"local-head": "v0.29.0", "local-worker": "v0.28.0"}
+    assert ctx["line"] == "v0.29.0"
+    note = ctx["nodes"]["local-worker"]["linenote"]
+    assert "v0.28.0" in note and "the head" in note and "v0.29.0" in note, note
+    assert ctx["nodes"]["local-head"]["linenote"] == ""
+    assert ctx["borders"]["local-worker"] == rgb(ctx["warn"]), (ctx["borders"], ctx["warn"])
+    assert ctx["borders"]["local-head"] != rgb(ctx["warn"]), ctx["borders"]
+    assert ctx["switching"].startswith("switching v0.28.0 → v0.29.0")
+
+    # the worker follows; the verdict is in (kept): one line, no strip, no mark
+    worker.runtime_line = "v0.29.0"
+    head.state, head.detail, head.line_switch = A.SERVING, "", None
+    ctx = wait(driver, lambda c: c["switching"] is None and c["otherLine"] == [])
+    assert lines(ctx) == {"local-head": "v0.29.0", "local-worker": "v0.29.0"} and ctx["line"] == "v0.29.0"
+    assert ctx["borders"]["local-worker"] != rgb(ctx["warn"])
+
+    # a rollback (the regression gate said no): the strip says so
+    head.line_switch = {"id": "20261202T174500Z-v0.28.0-to-v0.29.0-rollback", "from": "v0.29.0",
+                        "to": "v0.28.0", "at": time.time(), "rollback": True}
+    ctx = wait(driver, lambda c: (c["switching"] or "").startswith("rolling back"))
+    driver.save_screenshot(str(artifacts_dir / "dashboard-line-rollback.png"))
+    assert ctx["switching"].startswith("rolling back v0.29.0 → v0.28.0"), ctx["switching"]

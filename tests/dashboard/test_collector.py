@@ -340,3 +340,77 @@ def test_collector_shows_which_proof_of_life_the_head_used_last(metrics_stand_in
     live = snap["nodes"][0]["liveness"]
     assert live["ok"] and live["proof"] == "progress" and 2.5 <= live["proof_age_s"] <= 10
     assert "16 running" in live["proof_detail"] and snap["nodes"][1]["liveness"] is None
+
+
+# ------------------------------------------------------------------ runtime lines (issue 23)
+
+def switch_record(frm: str, to: str, *, rollback: bool = False, ago_s: float = 0.0) -> dict:
+    """The head's line_switch as dspark.line_state.Switch.to_json() writes it."""
+    sid = f"20261202T174500Z-{frm if not rollback else to}-to-{to if not rollback else frm}"
+    return {"id": sid + ("-rollback" if rollback else ""), "from": frm, "to": to, "at": time.time() - ago_s,
+            "rollback": rollback}
+
+
+def test_collector_reports_each_nodes_line_and_the_switch(metrics_stand_in, agents):
+    states, running = agents
+    head, worker = states["node-a"], states["node-b"]
+    metrics_stand_in.text = scrape_text("b")
+    col = C.Collector(targets(metrics_stand_in.url, running), timeout_s=1.0)
+    # an agent of a dspark before runtime lines reports none: nothing is claimed, nothing marked
+    snap = col.tick()
+    validate_snapshot(snap)
+    assert [n["runtime_line"] for n in snap["nodes"]] == [None, None]
+    assert [n["other_line"] for n in snap["nodes"]] == [False, False]
+    assert snap["runtime_line"] == {"head": None, "mixed": False, "switch": None}
+
+    for st in (head, worker):
+        st.runtime_line = st.file_line = "v0.28.0"
+    snap = col.tick()
+    validate_snapshot(snap)
+    assert [(n["runtime_line"], n["file_line"], n["other_line"]) for n in snap["nodes"]] == \
+        [("v0.28.0", "v0.28.0", False)] * 2
+    assert snap["runtime_line"] == {"head": "v0.28.0", "mixed": False, "switch": None}
+
+    # dspark switch wrote the head's state: the head drains and comes back on v0.29.0 first,
+    # the worker is still on v0.28.0 (it follows once it sees the head's line)
+    head.line_switch = switch_record("v0.28.0", "v0.29.0", ago_s=30)
+    head.runtime_line, head.state = "v0.29.0", A.LOADING
+    snap = col.tick()
+    validate_snapshot(snap)
+    assert [(n["runtime_line"], n["other_line"]) for n in snap["nodes"]] == [("v0.29.0", False), ("v0.28.0", True)]
+    line = snap["runtime_line"]
+    assert line["head"] == "v0.29.0" and line["mixed"] is True
+    sw = line["switch"]
+    assert (sw["from"], sw["to"], sw["rollback"], sw["id"]) == \
+        ("v0.28.0", "v0.29.0", False, "20261202T174500Z-v0.28.0-to-v0.29.0")
+    assert 29 <= sw["for_s"] <= 60
+    assert snap["nodes"][0]["file_line"] == "v0.28.0"  # the cluster file still names the old line
+
+    # the worker followed, the verdict is in (kept): one line again, no switch
+    worker.runtime_line, head.state, head.line_switch = "v0.29.0", A.SERVING, None
+    snap = col.tick()
+    validate_snapshot(snap)
+    assert [n["other_line"] for n in snap["nodes"]] == [False, False]
+    assert snap["runtime_line"] == {"head": "v0.29.0", "mixed": False, "switch": None}
+
+    # a rollback is a switch too, marked as one
+    head.line_switch = switch_record("v0.29.0", "v0.28.0", rollback=True)
+    snap = col.tick()
+    validate_snapshot(snap)
+    sw = snap["runtime_line"]["switch"]
+    assert (sw["from"], sw["to"], sw["rollback"]) == ("v0.29.0", "v0.28.0", True) and 0 <= sw["for_s"] < 30
+
+    # a record the dashboard cannot read is no switch (and no crash)
+    head.line_switch = {"id": "x", "from": None, "to": 3}
+    snap = col.tick()
+    validate_snapshot(snap)
+    assert snap["runtime_line"]["switch"] is None
+
+    # a worker whose agent is gone: its last line is kept (the card greys it) but not compared
+    head.line_switch, worker.runtime_line = None, "v0.28.0"
+    assert col.tick()["runtime_line"]["mixed"] is True
+    running["node-b"].stop()
+    snap = col.tick()
+    validate_snapshot(snap)
+    assert snap["nodes"][1]["reachable"] is False and snap["nodes"][1]["runtime_line"] == "v0.28.0"
+    assert snap["nodes"][1]["other_line"] is False and snap["runtime_line"]["mixed"] is False

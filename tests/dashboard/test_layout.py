@@ -1,7 +1,9 @@
 """The page at any node count (issue 24 item 2): 2, 4 and 8 nodes at 1,280, 1,600 and 1,920 px
 in Debian's headless Chromium, without the pair: the dashboard's real collector and server, real
 node agents serving wide but real-shaped states (7-digit PIDs, a day of uptime, three-digit
-proof ages, GPU and NVMe readings), and vLLM's /metrics from a captured scrape.
+proof ages, GPU and NVMe readings, a runtime-line switch under way with the last node still on
+the old line: the switch strip, a runtime line on every card and one card's warning note), and
+vLLM's /metrics from a captured scrape.
 
 Overflow is read from the DOM, not judged by eye: every value and label must fit its own box
 and its card, every label and value must stay on one line, and the page must not scroll
@@ -36,7 +38,7 @@ HARDWARE = {"gpus": [{"name": "NVIDIA GB10", "temperature_c": 71.0, "power_w": 1
 MEASURE = """
 const VALUES = '.v, .state, .badge';
 const LABELS = 'th, td:not(.v), h2, h3, header .meta, .axis > span, .yaxis > span';
-const TEXT = '.detail, .note';
+const TEXT = '.detail, .note, .linenote, .banner';
 const card = (e) => e.closest('.node') || e.closest('.panel') || e.closest('header');
 const lines = (e) => {
   const r = document.createRange(); r.selectNodeContents(e);
@@ -51,7 +53,8 @@ const describe = (e) => (e.dataset.field || e.dataset.panel || e.tagName.toLower
   || (card(e) && card(e).tagName.toLowerCase()) || 'page');
 const out = {clipped: [], outside: [], wrapped: [], checked: 0,
              scrollWidth: document.scrollingElement.scrollWidth, innerWidth: window.innerWidth,
-             cards: document.querySelectorAll('.node').length};
+             cards: document.querySelectorAll('.node').length,
+             lines: Array.from(document.querySelectorAll('.node [data-field=runtime_line]')).map((e) => e.textContent)};
 const seen = new Set();
 for (const [sel, oneLine] of [[VALUES, true], [LABELS, true], [TEXT, false]]) {
   for (const e of document.querySelectorAll(sel)) {
@@ -74,19 +77,25 @@ return out;
 """
 
 
+SWITCH = {"id": "20261202T174500Z-v0.28.0-to-v0.29.0", "from": "v0.28.0", "to": "v0.29.0", "rollback": False}
+
+
 def node_states(n: int) -> dict[str, A.NodeState]:
     now = time.time()
     states = {}
     for rank in range(n):
         name = f"dgx-spark-{rank + 1:02d}"
+        # mid-switch: the head and all but the last worker came back on v0.29.0
         st = A.NodeState(node=name, rank=rank, role="head" if rank == 0 else "worker", state=A.SERVING,
                          vllm_pid=4_194_300 + rank, vllm_version="0.28.0", restarts=12,
-                         started_at=now - 100_000, state_since=now - 90_000)
+                         started_at=now - 100_000, state_since=now - 90_000,
+                         runtime_line="v0.28.0" if rank == n - 1 else "v0.29.0", file_line="v0.28.0")
         if rank == 0:
             st.detail = "serving: API on http://192.168.100.10:8000"
             st.api_url = "http://192.168.100.10:8000"
             st.liveness = A.Liveness(ok=True, at=now, proof="progress", proof_at=now - 100,
                                      proof_detail="generated tokens moved")
+            st.line_switch = {**SWITCH, "at": now - 7_000}
         else:
             st.detail = "vLLM is in the rendezvous"
         states[name] = st
@@ -141,8 +150,11 @@ def show(driver, url: str, width: int, n: int) -> dict:
     while True:
         state = driver.execute_script(
             "return {round: Number(document.body.dataset.round || 0), cards: document.querySelectorAll('.node').length,"
-            " pid: (document.querySelector('.node [data-field=vllm_pid]') || {}).textContent || ''};")
-        if state["round"] >= 2 and state["cards"] == n and state["pid"].isdigit():
+            " pid: (document.querySelector('.node [data-field=vllm_pid]') || {}).textContent || '',"
+            " marked: document.querySelectorAll('.node.otherline').length,"
+            " strip: !document.getElementById('switch').hidden};")
+        if state["round"] >= 2 and state["cards"] == n and state["pid"].isdigit() and state["marked"] == 1 \
+                and state["strip"]:
             return state
         if time.monotonic() > deadline:
             raise AssertionError(f"the page did not render {n} nodes: {state}")
@@ -162,6 +174,7 @@ def test_nothing_clipped_wrapped_or_scrolling(session, nodes, width, artifacts_d
           f"{len(m['outside'])} outside their card, {len(m['wrapped'])} wrapped, page "
           f"{m['scrollWidth']} px wide in {m['innerWidth']} px; {shot}")
     assert m["cards"] == nodes
+    assert m["lines"] == ["v0.29.0"] * (nodes - 1) + ["v0.28.0"], m["lines"]  # measured with the rest
     assert m["checked"] > 60, m  # the measure saw the page, not an empty one
     assert m["innerWidth"] == width
     problems = m["clipped"] + m["outside"] + m["wrapped"]

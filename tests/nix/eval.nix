@@ -24,8 +24,11 @@ let
       outputs.nixosModules.default
       {
         services.dspark.package = fakePackage "dspark-0.1.0";
-        # Above the flake's mkDefault (so that one is never forced), below a host's own value.
-        services.dspark.runtimePackage = lib.mkOverride 900 (fakePackage "dspark-runtime-0.28.0");
+        # Above the flake's mkDefault (so that one is never forced), below a host's own value: one
+        # runtime per line of nix/lines.nix, named dspark-runtime-<its vLLM release>.
+        services.dspark.lines = lib.mkOverride 900 (
+          lib.mapAttrs (_: l: fakePackage "dspark-runtime-${l.vllm}") (import ../../nix/lines.nix).lines
+        );
       }
       host
     ];
@@ -41,6 +44,10 @@ in
     inherit (s) wantedBy environment serviceConfig;
     restartTriggers = map (t: t.generatedFile or t) s.restartTriggers;
   }) (enabled config.systemd.services);
+  # What each trigger holds (the stand-in's generate keeps the file's data): a unit restarts on a
+  # switch when this changes, as the store path of the file written from it then does.
+  restartTriggerValues = lib.mapAttrs (_: s: map (t: t.value or t) s.restartTriggers) (enabled config.systemd.services);
+  runtimePackage = if config.services.dspark.runtimePackage == null then null else config.services.dspark.runtimePackage.name;
   targets = lib.attrNames (enabled config.systemd.targets);
   # Units set to enable = false: NixOS links them to /dev/null, masking the package's unit file.
   masked = lib.sort lib.lessThan (disabled "service" config.systemd.services ++ disabled "target" config.systemd.targets);

@@ -74,7 +74,10 @@ def test_flake_outputs_wire_the_packages_and_the_module(nix_instantiate, nixpkgs
         module = builtins.isFunction outputs.nixosModules.default;
       }}"""
     out = nix_eval(nix_instantiate, expr)
-    assert out["packages"] == {"aarch64-linux": ["default", "dspark", "runtime"],
+    # One runtime per runtime line (nix/lines.nix), runtime-<line id with _ for .>, beside `runtime`.
+    lines = nix_eval(nix_instantiate, "map (l: l.attr) (builtins.attrValues (import ./nix/lines.nix).lines)")
+    assert {"runtime-v0_28_0", "runtime-v0_29_0"} <= set(lines)
+    assert out["packages"] == {"aarch64-linux": sorted(["default", "dspark", "runtime", *lines]),
                                "x86_64-linux": ["default", "dspark"]}
     assert out["checks"] == ["aarch64-linux", "x86_64-linux"]
     assert out["module"] is True
@@ -116,7 +119,8 @@ TEMPLATE_HOSTS = """\
             { options.nixpkgs.config = lib.mkOption { type = lib.types.attrs; default = { }; }; }
             (import ./modules/default.nix)
             { services.dspark.package = fake "dspark-0.1.0";
-              services.dspark.runtimePackage = lib.mkOverride 900 (fake "dspark-runtime-0.28.0"); }
+              services.dspark.lines = lib.mkOverride 900
+                (lib.mapAttrs (_: l: fake "dspark-runtime-${l.vllm}") (import ./nix/lines.nix).lines); }
             ./nix/template/dspark-cluster.nix
             host
           ];

@@ -40,14 +40,16 @@ def copy_vllm_tree(source_site: Path, dest_site: Path) -> Path:
 
 
 def run_checks(site: Path, script: Path = CHECKS, *args: str, path: tuple[Path, ...] = (),
-               env: dict[str, str] | None = None, timeout: float = 600) -> dict[str, str]:
-    """Run a check script (default patched_checks.py) in a subprocess with ``site`` first
-    on the path (then ``path``); parse the JSON it prints after @@RESULTS@@."""
+               env: dict[str, str] | None = None, timeout: float = 600,
+               python: Path | str = sys.executable) -> dict[str, str]:
+    """Run a check script (default patched_checks.py) in a subprocess of ``python`` (default this
+    one) with ``site`` first on the path (then ``path``); parse the JSON it prints after
+    @@RESULTS@@."""
     run_env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, (site, *path))),
                    PYTHONDONTWRITEBYTECODE="1", **(env or {}))
     run_env.pop("PYTHONWARNINGS", None)
     result = subprocess.run(
-        [sys.executable, str(script), str(site), *args],
+        [str(python), str(script), str(site), *args],
         capture_output=True, text=True, env=run_env, timeout=timeout, check=False,
     )
     for line in result.stdout.splitlines():
@@ -76,3 +78,57 @@ def patched_site(stock_site, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def patched_results(patched_site) -> dict[str, str]:
     return run_checks(patched_site)
+
+
+# ------------------------------------------------------------------ runtime line v0.29.0
+
+LINE_029 = "v0.29.0"
+SITE_029_ENV = "DSPARK_VLLM_029_SITE"
+
+
+def line_site(line: str = LINE_029) -> Path | None:
+    """The line's vLLM tree: the site directory DSPARK_VLLM_029_SITE names, else the line's CPU
+    build that .ci/setup installs beside .venv (dspark.local.lines_dir()/<line>)."""
+    named = os.environ.get(SITE_029_ENV)
+    if named:
+        return Path(named)
+    from dspark.local import lines_dir
+
+    found = sorted((lines_dir() / line).glob("lib/python3*/site-packages"))
+    return found[0] if found and (found[0] / "vllm").is_dir() else None
+
+
+def line_python(site: Path) -> Path | str:
+    """The interpreter of the virtual environment that holds ``site`` (its vLLM's own
+    dependencies), else this one (a bare unpacked tree)."""
+    python = site.parents[2] / "bin" / "python"
+    return python if python.is_file() else sys.executable
+
+
+@pytest.fixture(scope="session")
+def stock_site_029(tmp_path_factory) -> Path:
+    """A pristine copy of the vLLM 0.29.0 tree (skipped, saying why, when there is none)."""
+    site = line_site()
+    if site is None:
+        pytest.skip(f"no vLLM 0.29.0 tree here: neither .venv-lines/{LINE_029} (.ci/setup installs it) nor "
+                    f"{SITE_029_ENV} (a vLLM 0.29.0 site directory)")
+    return copy_vllm_tree(site, tmp_path_factory.mktemp("stock029"))
+
+
+@pytest.fixture(scope="session")
+def python_029() -> Path | str:
+    site = line_site()
+    if site is None:
+        pytest.skip("no vLLM 0.29.0 tree here")
+    return line_python(site)
+
+
+@pytest.fixture(scope="session")
+def patched_site_029(stock_site_029, tmp_path_factory) -> Path:
+    """A copy of the 0.29.0 tree with the v0.29.0 line's series applied by dspark.overlay."""
+    from dspark.overlay import apply_series, line_series
+
+    site = tmp_path_factory.mktemp("patched029")
+    shutil.copytree(stock_site_029, site, dirs_exist_ok=True)
+    apply_series(site, line_series(LINE_029))
+    return site

@@ -24,6 +24,7 @@ SM120 class's own start-up check runs too, with DSpark's non-causal width.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -82,6 +83,24 @@ def _config(model_dir: str, cache_dtype: str, max_model_len: int):
         method="dspark", num_speculative_tokens=NUM_SPEC, target_model_config=model,
         target_parallel_config=vc.parallel_config, draft_sample_method="probabilistic")
     return vc
+
+
+def _resolve_kv_cache_layout(vc, specs) -> None:
+    """vLLM 0.29.0 resolves one KV-cache layout in its engine core, from the layouts the
+    worker's attention backends support, before it plans the caches (EngineCore's
+    resolve_kv_cache_layout); vLLM 0.28.0 has no such step."""
+    try:
+        from vllm.v1.attention.backends.utils import (
+            get_supported_kv_cache_layouts,
+            resolve_kv_cache_layout,
+        )
+    except ImportError:
+        return
+    from vllm.v1.worker import worker_base
+
+    backends = worker_base.get_current_attn_backends(vc)
+    names = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    resolve_kv_cache_layout(vc, [names], list(specs.values()))
 
 
 class Layers:
@@ -160,6 +179,7 @@ class Layers:
 
         vc = self.vc
         specs = attn_utils.get_kv_cache_spec(vc)
+        _resolve_kv_cache_layout(vc, specs)
         # get_kv_cache_configs minus its admission check (the whole model's KV
         # at full length does not fit a test machine): the same grouping and
         # packed planning, clamped to NUM_BLOCKS blocks by the override.
@@ -168,9 +188,14 @@ class Layers:
         with set_current_vllm_config(vc):
             groups, _, kernel_block_sizes = attn_utils.init_attn_backend(
                 config, vc, torch.device("cpu"))
-            caches = attn_utils.init_kv_cache(
-                [], vc.compilation_config.static_forward_context, config, groups,
-                torch.device("cpu"), vc.cache_config.cache_dtype, kernel_block_sizes, vc)
+            ctx = vc.compilation_config.static_forward_context
+            if "attn_groups" in inspect.signature(attn_utils.init_kv_cache).parameters:  # 0.28.0
+                caches = attn_utils.init_kv_cache(
+                    [], ctx, config, groups, torch.device("cpu"), vc.cache_config.cache_dtype,
+                    kernel_block_sizes, vc)
+            else:  # 0.29.0: the caches are shaped from their specs in the resolved layout
+                caches = attn_utils.init_kv_cache([], ctx, config, torch.device("cpu"),
+                                                  kernel_block_sizes, vc)
         self.specs, self.config, self.groups, self.caches = specs, config, groups, caches
         self.builders = {
             name: group.get_metadata_builder(0)
@@ -184,10 +209,24 @@ class Layers:
 # --------------------------------------------------------------------------
 
 
+def _page_placement(config) -> dict[str, tuple[int, int | None]]:
+    """Each layer's page of block 0 (its byte offset in the allocation) and the tensor's block
+    stride where vLLM states it: 0.28.0's KVCacheTensor is shared_by layers at one offset (the
+    block stride is the cache's stride(0)); 0.29.0's holds its layers at offset + l *
+    layer_stride, block b at + b * block_stride."""
+    placed: dict[str, tuple[int, int | None]] = {}
+    for t in config.kv_cache_tensors:
+        if hasattr(t, "shared_by"):
+            placed.update({n: (t.offset, None) for n in t.shared_by})
+        else:
+            placed.update({n: (t.offset + i * t.layer_stride, t.block_stride) for i, n in enumerate(t.layers)})
+    return placed
+
+
 def check_pages_and_strides(layers: Layers, fi) -> list[str]:
     """Every cache FlashInfer reads: the page geometry its kernels take."""
     problems = []
-    offsets = {n: t.offset for t in layers.config.kv_cache_tensors for n in t.shared_by}
+    offsets = {n: offset for n, (offset, _) in _page_placement(layers.config).items()}
     for prefix, layer in layers.attn.items():
         reads = {"swa": (layer.swa_cache_layer.kv_cache, 64)}
         if layer.compress_ratio > 1:
@@ -222,15 +261,18 @@ def check_pages_and_strides(layers: Layers, fi) -> list[str]:
 
 
 def check_group_pages_disjoint(layers: Layers) -> list[str]:
-    """Within a KV-cache group, two layers' pages of one block never overlap."""
+    """Within a KV-cache group, two layers' pages of one block never overlap (where vLLM
+    states each tensor's block stride, 0.29.0: no two pages of any blocks)."""
     problems = []
-    tensors = {n: t for t in layers.config.kv_cache_tensors for n in t.shared_by}
+    placed = _page_placement(layers.config)
     for group in layers.config.kv_cache_groups:
         spans = []
         for name in group.layer_names:
-            t = tensors[name]
-            spec = layers.specs[name]
-            spans.append((t.offset, t.offset + spec.page_size_bytes, name))
+            offset, block_stride = placed[name]
+            page = layers.specs[name].page_size_bytes
+            for b in range(NUM_BLOCKS if block_stride is not None else 1):
+                start = offset + b * (block_stride or 0)
+                spans.append((start, start + page, f"{name} block {b}"))
         spans.sort()
         for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
             if b0 < a1:
@@ -474,12 +516,13 @@ def check_init(layers: Layers, fi) -> list[str]:
 def main() -> None:
     site = Path(sys.argv[1])
     cache_dtypes = (sys.argv[2] if len(sys.argv) > 2 else "nvfp4_ds_mla").split(",")
+    lengths = tuple(int(n) for n in sys.argv[3].split(",")) if len(sys.argv) > 3 else MAX_MODEL_LENS
     fi = flashinfer_facts.load()
     _simulate_sm12x()
     results: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text(FIXTURE.read_text())
-        for cache_dtype, max_len in ((d, n) for d in cache_dtypes for n in MAX_MODEL_LENS):
+        for cache_dtype, max_len in ((d, n) for d in cache_dtypes for n in lengths):
             key = f"{cache_dtype} max_model_len={max_len}"
             try:
                 layers = Layers(_config(tmp, cache_dtype, max_len)).plan()

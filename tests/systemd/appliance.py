@@ -18,7 +18,8 @@ from pathlib import Path
 from nspawn_container import ROOT, Container
 from pairlib import pick_ports  # free loopback ports, shared with the pair tests
 
-from dspark.local import DEFAULT_NODES, HEAD_NAME, SERVED_NAME, LocalPorts, node_address, node_name
+from dspark.local import (DEFAULT_NODES, HEAD_NAME, LINES_DIR_ENV, SERVED_NAME, LocalPorts, node_address,
+                          node_name)
 from dspark.units import NodeRole, node_units
 
 CLUSTER_DIR = "/srv/dspark-local"  # inside the container (outside /tmp: PrivateTmp hides that)
@@ -28,6 +29,11 @@ DSPARK = str(ROOT / ".venv" / "bin" / "dspark")
 # under /root, mode 700): a venv on a Python it can execute, reading the checkout venv's
 # packages. What the units run lives here, so they run exactly as shipped (User=dspark).
 RUNTIME = "/opt/dspark/venv"
+# Every other runtime line installed in the checkout (.ci/setup: .venv-lines/<line>/), made
+# executable the same way, one folder per line: install(lines=True) names it DSPARK_LINES_DIR for
+# prepare(), so the cluster file's serving.line_commands run LINES/<line>/bin/vllm.
+LINES = "/opt/dspark/lines"
+CHECKOUT_LINES = ROOT / ".venv-lines"
 UNITS = ("dspark-head.service", "dspark-worker.service", "dspark-wait-worker.service",
          "dspark-worker-ready.target")  # the pair's (Appliance.units: any number of nodes)
 
@@ -38,6 +44,8 @@ class Appliance:
     ports: LocalPorts
     user_note: str = ""  # which runtime the units (as user dspark) run from
     nodes: int = DEFAULT_NODES
+    dspark: str = DSPARK  # the dspark CLI the units run (root may run it too: dspark switch)
+    lines: dict[str, str] | None = None  # install(lines=True): each other line's folder under LINES
 
     @property
     def names(self) -> list[str]:
@@ -131,9 +139,9 @@ class Appliance:
         return int(self.box.show(unit, "NRestarts")["NRestarts"])
 
 
-def _dspark_can_execute(box: Container, python: str) -> bool:
+def _dspark_can_execute(box: Container, python: str, module: str = "dspark") -> bool:
     probe = box.run("setpriv", "--reuid=dspark", "--regid=dspark", "--clear-groups", "--inh-caps=-all",
-                    "sh", "-c", 'exec "$0" -c "import dspark"', python, timeout=60)
+                    "sh", "-c", f'exec "$0" -c "import {module}"', python, timeout=120)
     return probe.returncode == 0
 
 
@@ -145,41 +153,78 @@ def runtime(box: Container) -> tuple[str, str, str]:
     box.run("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "dspark", timeout=30)
     if _dspark_can_execute(box, PYTHON):
         return PYTHON, DSPARK, "the checkout's venv"
-    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    base = next((c for c in (f"/usr/bin/{ver}", f"/usr/local/bin/{ver}") if os.access(c, os.X_OK)), None)
-    if base is None:
-        raise RuntimeError(f"user dspark cannot execute {os.path.realpath(PYTHON)} and there is no "
-                           f"system {ver} to build {RUNTIME} on")
-    box.run(base, "-m", "venv", "--without-pip", RUNTIME, timeout=120, check=True)
-    inside_site = box.run(f"{RUNTIME}/bin/python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
-                          timeout=60, check=True).stdout.strip()
-    checkout_site = sysconfig.get_path("purelib", vars={"base": str(ROOT / ".venv"),
-                                                        "platbase": str(ROOT / ".venv")})
-    box.path(inside_site).joinpath("dspark-checkout.pth").write_text(
-        f"import site; site.addsitedir({checkout_site!r})\n")
-    for script in ("dspark", "vllm"):
-        src = ROOT / ".venv" / "bin" / script
-        if src.exists():
-            lines = src.read_text().splitlines(keepends=True)
-            dst = box.path(f"{RUNTIME}/bin/{script}")
-            dst.write_text(f"#!{RUNTIME}/bin/python\n" + "".join(lines[1:]))
-            dst.chmod(0o755)
+    base = _system_python()
+    _venv_over(box, base, RUNTIME, ROOT / ".venv", ("dspark", "vllm"))
     if not _dspark_can_execute(box, f"{RUNTIME}/bin/python"):
         raise RuntimeError(f"user dspark cannot execute {RUNTIME}/bin/python either")
     return f"{RUNTIME}/bin/python", f"{RUNTIME}/bin/dspark", f"{RUNTIME} on {base}"
 
 
-def install(box: Container, ports: LocalPorts | None = None, nodes: int = DEFAULT_NODES) -> Appliance:
+def _system_python() -> str:
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    base = next((c for c in (f"/usr/bin/{ver}", f"/usr/local/bin/{ver}") if os.access(c, os.X_OK)), None)
+    if base is None:
+        raise RuntimeError(f"user dspark cannot execute {os.path.realpath(PYTHON)} and there is no "
+                           f"system {ver} to build {RUNTIME} on")
+    return base
+
+
+def _venv_over(box: Container, base: str, dest: str, source: Path, scripts: tuple[str, ...]) -> None:
+    """A venv at `dest` (inside the container) on `base` whose site-packages are the venv
+    `source`'s (a .pth file), with `source`'s `scripts` pointed at its own interpreter."""
+    box.run(base, "-m", "venv", "--without-pip", dest, timeout=120, check=True)
+    inside_site = box.run(f"{dest}/bin/python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
+                          timeout=60, check=True).stdout.strip()
+    source_site = sysconfig.get_path("purelib", vars={"base": str(source), "platbase": str(source)})
+    box.path(inside_site).joinpath("dspark-checkout.pth").write_text(
+        f"import site; site.addsitedir({source_site!r})\n")
+    for script in scripts:
+        src = source / "bin" / script
+        if src.exists():
+            lines = src.read_text().splitlines(keepends=True)
+            dst = box.path(f"{dest}/bin/{script}")
+            dst.write_text(f"#!{dest}/bin/python\n" + "".join(lines[1:]))
+            dst.chmod(0o755)
+
+
+def line_runtimes(box: Container) -> dict[str, str]:
+    """{line: its folder under LINES} for every other runtime line installed in the checkout
+    (CHECKOUT_LINES/<line>/bin/vllm), each with a bin/vllm the service user can execute: the
+    checkout's own (a symlink) when that user can run its interpreter, else a venv on the
+    system Python reading the line's site-packages (as runtime() does for the default line).
+    The folders are the container's own: a test may put a wrapper in place of a bin/vllm."""
+    out: dict[str, str] = {}
+    for venv in sorted(CHECKOUT_LINES.glob("*/bin/vllm")):
+        line_dir = venv.parents[1]
+        dest = f"{LINES}/{line_dir.name}"
+        if _dspark_can_execute(box, str(line_dir / "bin" / "python"), module="vllm"):
+            box.path(f"{dest}/bin").mkdir(parents=True)
+            box.path(f"{dest}/bin/vllm").symlink_to(venv)
+        else:
+            _venv_over(box, _system_python(), dest, line_dir, ("vllm",))
+            if not _dspark_can_execute(box, f"{dest}/bin/python", module="vllm"):
+                raise RuntimeError(f"user dspark cannot execute {dest}/bin/python (runtime line {line_dir.name})")
+        out[line_dir.name] = dest
+    return out
+
+
+def install(box: Container, ports: LocalPorts | None = None, nodes: int = DEFAULT_NODES,
+            lines: bool = False) -> Appliance:
     """Write the local cluster of `nodes` nodes into the container and install the units for
     every one of them, as shipped: they run as the dspark user, from where that user can
-    execute them."""
+    execute them. `lines`: every runtime line installed in the checkout is installed too
+    (line_runtimes) and named in the cluster file's serving.line_commands (dspark switch)."""
     ports = ports or pick_ports(nodes)  # the container shares the host's network namespace
     python, dspark, how = runtime(box)
-    # prepare() names vLLM's CLI beside the Python that runs it: the runtime's.
+    line_dirs = line_runtimes(box) if lines else None
+    # prepare() names vLLM's CLI beside the Python that runs it: the runtime's; each other
+    # line's under DSPARK_LINES_DIR (without `lines`, as the caller's environment has it).
+    env = {**os.environ, LINES_DIR_ENV: LINES} if lines else None
     box.run(python, "-c", "import sys; from pathlib import Path; from dspark.local import prepare, LocalPorts; "
             f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api={ports.api}, master={ports.master}, "
-            f"agent={ports.agent}), nodes={nodes})", timeout=60, check=True)
-    app = Appliance(box, ports, user_note=f"units run as user dspark from {how}", nodes=nodes)
+            f"agent={ports.agent}), nodes={nodes})", timeout=60, check=True, env=env)
+    app = Appliance(box, ports, user_note=f"units run as user dspark from {how}", nodes=nodes, dspark=dspark,
+                    lines=line_dirs)
     box.run(dspark, "systemd", "install", *(a for n in app.names for a in ("--node", n)),
             "--config", f"{CLUSTER_DIR}/cluster.toml", "--dspark-bin", dspark, timeout=60, check=True)
     bind_checkout(box, [app.unit(n) for n in app.names] + ["dspark-wait-worker.service"])

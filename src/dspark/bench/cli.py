@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from ..cli import fail
-from ..cli_options import config_option
+from ..cli_common import fail
+from ..cli_options import config_option, parse_sizes  # noqa: F401 (parse_sizes: re-exported)
 
 DEFAULT_OUT = Path("bench-results")
 
@@ -37,27 +37,6 @@ class BarProgress:
         if self._bar is not None:
             self._bar.__exit__(None, None, None)
             self._bar = None
-
-
-def parse_sizes(text: str, what: str) -> tuple[int, ...]:
-    """'1K,2K,512' -> (1024, 2048, 512)."""
-    out = []
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        mult = 1
-        if part[-1] in "kK":
-            part, mult = part[:-1], 1024
-        try:
-            value = int(part) * mult
-        except ValueError:
-            raise click.BadParameter(f"{part!r} is not a whole number (K = 1024 allowed)", param_hint=what) from None
-        if value <= 0:
-            raise click.BadParameter(f"{value} must be positive", param_hint=what)
-        out.append(value)
-    if not out:
-        raise click.BadParameter("give at least one value", param_hint=what)
-    return tuple(out)
 
 
 def cluster_settings(cluster) -> dict:
@@ -85,7 +64,7 @@ def without_userinfo(url: str) -> tuple[str, bool]:
 
 
 def resolve_target(config_path: Path | None, url: str | None, model: str | None, timeout: float):
-    from ..supervisor import read_api_key
+    from ..credentials import read_api_key
     from .client import Target
 
     token = read_api_key()
@@ -98,7 +77,7 @@ def resolve_target(config_path: Path | None, url: str | None, model: str | None,
                        "vLLM takes the API key as a bearer token: set DSPARK_API_KEY", err=True)
         return Target(url=url.rstrip("/"), model=model, token=token, timeout_s=timeout), {}
     from ..config import DEFAULT_CONFIG_PATH
-    from ..cli import load_cluster
+    from ..cli_common import load_cluster
 
     if config_path is None and not DEFAULT_CONFIG_PATH.exists():
         fail(f"no server named: pass --url URL (and --model NAME), or --config CLUSTER_FILE "

@@ -23,20 +23,19 @@ from ..cli_options import config_option
 def dashboard(config_path: Path | None, host: str, port: int, token_file: Path | None, node: str | None,
               interval: float) -> None:
     """Live web dashboard of the pair (read-only; one poller for every open page)."""
-    from ..config import ConfigError, load
-    from ..supervisor import read_api_key
+    from ..cli_common import fail, load_cluster
+    from ..config import ConfigError
+    from ..credentials import read_api_key
+    from ..log import NOTICE, line
     from .collector import Collector, Targets
     from .server import DashboardError, default_token_file, load_token, serve
 
-    try:
-        cluster = load(config_path)
-    except ConfigError as e:
-        raise click.ClickException(e.render()) from None
+    cluster = load_cluster(config_path)  # a bad cluster file: exit 2, as every command
     try:
         local = cluster.node(node).name
     except ConfigError:
         if node:
-            raise click.ClickException(f"no node named {node!r} in {cluster.source}") from None
+            fail(f"no node named {node!r} in {cluster.source}")
         local = None  # not one of the nodes: show n/a rather than guess whose hardware this is
     try:
         tf = token_file or default_token_file()
@@ -44,9 +43,9 @@ def dashboard(config_path: Path | None, host: str, port: int, token_file: Path |
         collector = Collector(Targets.from_cluster(cluster, local_node=local), interval_s=interval,
                               api_token=read_api_key())
         code = serve(collector, host=host, port=port, token=token,
-                     on_ready=lambda s: click.echo(f"dashboard on {s.url}", err=True))
-    except DashboardError as e:
-        raise click.ClickException(str(e)) from None
-    except OSError as e:
-        raise click.ClickException(f"cannot bind {host}:{port}: {e.strerror}") from None
+                     on_ready=lambda s: line(NOTICE, f"dashboard on {s.url}"))
+    except DashboardError as e:  # the token file, or a non-loopback address without one: config
+        fail(str(e))
+    except OSError as e:  # the address cannot be bound: a runtime failure
+        fail(f"cannot bind {host}:{port}: {e.strerror}", 1)
     raise SystemExit(code)

@@ -9,6 +9,7 @@ the vLLM part "unavailable" (available: false, error: why) until a good answer c
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import deque
@@ -197,15 +198,18 @@ class Collector:
         return self._version
 
     # ------------------------------------------------------------------- rendering
-    def _node(self, t: NodeTarget, answer: AgentAnswer | None, now: float) -> dict:
+    def _node(self, t: NodeTarget, answer: AgentAnswer | None, now: float) -> tuple[dict, dict | None]:
+        """The node's part of the snapshot, and the agent's answer that still holds for it (this
+        round's, or the last one while a missed round is within grace; None when lost)."""
         mem = self._nodes[t.name]
         s = answer.state if answer else None
         if s is not None:
             mem.last_ok, mem.last = now, s
         last = mem.last or {}
         silent = None if mem.last_ok is None else now - mem.last_ok
+        holds: dict | None = None
         if s is not None:
-            state, detail = s["state"], s.get("detail", "")
+            state, detail, holds = s["state"], s.get("detail", ""), s
         elif mem.last_ok is None:
             state, detail = "unreachable", f"agent {t.agent_url} has not answered"
         elif last.get("state") in (A.STOPPING, A.STOPPED):
@@ -213,7 +217,7 @@ class Collector:
         elif lost := is_lost(answer, last, silent, LOST_AFTER_S):
             state, detail = A.FAILED, lost
         else:
-            state, detail = last.get("state", "unreachable"), "agent did not answer this round"
+            state, detail, holds = last.get("state", "unreachable"), "agent did not answer this round", last
         if isinstance(last.get("hardware"), dict):
             hw, source = last["hardware"], "agent"
         elif t.name == self.targets.local_node:
@@ -222,6 +226,8 @@ class Collector:
             hw, source = {"gpus": [], "nvme_temperature_c": None}, None
         return {
             "name": t.name, "rank": t.rank, "role": t.role, "agent_url": t.agent_url,
+            "runtime_line": _line(last.get("runtime_line")), "file_line": _line(last.get("file_line")),
+            "other_line": False,  # set by _lines, which compares with the head
             "reachable": s is not None, "state": state, "detail": detail,
             "silent_s": _r(silent, 1) if s is None else 0.0,
             "restarts": last.get("restarts"), "vllm_pid": last.get("vllm_pid"),
@@ -229,11 +235,28 @@ class Collector:
             "liveness": _liveness(last.get("liveness")),
             "hardware": {"source": source, "gpus": hw.get("gpus") or [],
                          "nvme_temperature_c": hw.get("nvme_temperature_c")},
-        }
+        }, holds
+
+    def _lines(self, nodes: list[dict], answers: list[dict | None]) -> dict:
+        """Which runtime line the pair runs (the head's), which nodes run another one (marked in
+        their card), and the switch under way that the head's agent reports (dspark switch)."""
+        head = next((i for i, t in enumerate(self.targets.nodes) if t.role == "head"), None)
+        held = head is not None and answers[head] is not None
+        head_line = _line(answers[head].get("runtime_line")) if held else None
+        for n, a in zip(nodes, answers):
+            theirs = _line(a.get("runtime_line")) if a is not None else None
+            n["other_line"] = n["role"] != "head" and None not in (head_line, theirs) and theirs != head_line
+        return {"head": head_line, "mixed": any(n["other_line"] for n in nodes),
+                "switch": _switch(answers[head].get("line_switch")) if held else None}
 
     def _render(self, now: float, scrape: Scrape | None, error: str | None, agents: dict) -> dict:
         iv = self._last_interval
-        nodes = [self._node(t, agents.get(t.name), now) for t in self.targets.nodes]
+        nodes, answers = [], []
+        for t in self.targets.nodes:
+            node, holds = self._node(t, agents.get(t.name), now)
+            nodes.append(node)
+            answers.append(holds)
+        lines = self._lines(nodes, answers)
 
         def active_avg(key: str) -> float | None:
             total, n = self._active[key]
@@ -282,6 +305,7 @@ class Collector:
             "serving": scrape is not None and bool(nodes) and all(n["state"] == A.SERVING for n in nodes),
             "model": self.targets.served_name,
             "liveness_interval_s": self.targets.liveness_interval_s,
+            "runtime_line": lines,
             "vllm": vllm,
             "nodes": nodes,
             "history": {"capacity": self.history.maxlen, **{k: list(v) for k, v in zip(
@@ -313,3 +337,23 @@ def _liveness(live) -> dict | None:
     detail = live.get("proof_detail")
     return {"ok": live.get("ok") is True, "proof": proof, "proof_age_s": _r(max(age, 0.0), 1) if age is not None else None,
             "proof_detail": detail if isinstance(detail, str) else ""}
+
+
+def _line(x) -> str | None:
+    """A runtime line's name as an agent reports it (None from an agent before runtime lines, or
+    for anything that is not a name: the page shows it in one table cell)."""
+    return x if isinstance(x, str) and 0 < len(x) <= 64 else None
+
+
+def _switch(sw) -> dict | None:
+    """The head's switch under way (dspark.line_state.Switch.to_json()), with how long it has run;
+    None when there is none or the record is not one the page can show."""
+    if not isinstance(sw, dict) or _line(sw.get("from")) is None or _line(sw.get("to")) is None:
+        return None
+    at = sw.get("at")
+    known = isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at)
+    age = time.time() - at if known else None
+    sid = sw.get("id")
+    return {"id": sid if isinstance(sid, str) else "", "from": sw["from"], "to": sw["to"],
+            "rollback": sw.get("rollback") is True, "at": at if age is not None else None,
+            "for_s": _r(max(age, 0.0), 1) if age is not None else None}

@@ -28,10 +28,10 @@ full-``max_model_len`` requests run at once, the admission reserve) follow vLLM'
 and KV-cache manager, not a reservation model: ``fit.Scheduling`` says which rules, and
 ``benchmarks/plan_vs_scheduler.py`` compares them with vLLM's own Scheduler on CPU.
 
-The package, one module per step: ``facts`` (model directory -> ModelFacts), ``weights``
-(the split per rank), ``kv_layout`` (bytes per token as vLLM accounts them), ``fit`` (the
-budget and the verdict) and ``from_cluster`` (which of the cluster file's settings the plan
-reads; its defaults are the config's own).
+The package, one module per step: ``facts`` (model directory -> ModelFacts), ``inputs``
+(PlanInputs: what the plan is asked), ``weights`` (the split per rank), ``kv_layout`` (bytes
+per token as vLLM accounts them), ``fit`` (the budget and the verdict) and ``from_cluster``
+(which of the cluster file's settings the plan reads; its defaults are the config's own).
 """
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ from .facts import (  # noqa: F401
 from .weights import (  # noqa: F401
     WeightSplit, _REPLICATED_DSV4, _SHARDED_HF, _is_draft_tensor, _is_replicated, split_weights,
 )
+from .inputs import PlanInputs  # noqa: F401
 from .kv_layout import (  # noqa: F401
     KVLayout, _Spec, _approximate_gcd, _cdiv, _dsv4_layout, _kv_dtype_bytes, _round_up, _uniform_layout,
     kv_layout,
 )
 from .fit import (  # noqa: F401
-    Plan, PlanInputs, Scheduling, _largest_context_bytes, scheduling, _raise_tp_hint, make_plan, plan_from_facts,
+    Plan, Scheduling, _largest_context_bytes, scheduling, _raise_tp_hint, make_plan, plan_from_facts,
 )
 from .from_cluster import plan_for_cluster, plan_inputs  # noqa: F401,E402

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .facts import GiB, serving_default
-from .fit import Plan, PlanInputs, make_plan
+from .fit import Plan, make_plan
+from .inputs import PlanInputs
 
 
 def plan_inputs(cluster, model_dir: Path | None = None) -> PlanInputs:

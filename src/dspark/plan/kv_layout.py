@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .facts import ModelFacts, PlanError, _DEFAULT_BLOCK_SIZE, _DSV4_DEFAULT_BLOCK_SIZE, _KV_DTYPE_BYTES
-
-if TYPE_CHECKING:
-    from .fit import PlanInputs
+from .inputs import PlanInputs
 
 # --------------------------------------------------------------------------
 # KV cache as vLLM 0.28.0 accounts it

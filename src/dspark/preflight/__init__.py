@@ -56,7 +56,7 @@ def _guard(name: str, fn: Callable[[], list[Check]]) -> list[Check]:
 
 def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
     """Every check for `node` on this host, in the order a reader fixes them."""
-    from ..units import USER
+    from ..unit_names import USER
     from . import host as H
     from . import model_dir as M
     from . import net as N
@@ -88,6 +88,9 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
     running = None
     if own and own.get("vllm_pid"):
         running = f"pid {own['vllm_pid']}, {own.get('state')}"
+    if own and own.get("runtime_line") not in (None, cluster.serving.runtime_line):
+        # This node runs another line than the file's (dspark switch): check and compare that one.
+        cluster = _guard_value(lambda: cluster.on_line(own["runtime_line"])) or cluster
 
     user = M.service_user(USER, host.under_unit)
     facts_box: list = [None]

@@ -20,7 +20,7 @@ def check(config_path: Path | None, node: str | None, as_json: bool, no_peers: b
 
     One line per check: ok, warn or fail, what was seen, and the fix. Exit 1 on any fail
     (2: the cluster file is invalid)."""
-    from ..cli import load_cluster, pick_node
+    from ..cli_common import load_cluster, pick_node
     from . import Host, run
 
     cluster = load_cluster(config_path)

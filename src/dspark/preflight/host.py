@@ -233,10 +233,10 @@ def check_swap_oom(proc: Path) -> list[Check]:
 
 # ------------------------------------------------------------------------------ caches
 def check_caches(environ: Mapping[str, str], under_unit: bool) -> list[Check]:
-    """The cache directory the units persist (CacheDirectory=dspark, where units.CACHE_ENV points
+    """The cache directory the units persist (CacheDirectory=dspark, where unit_names.CACHE_ENV points
     the JIT caches): exists (systemd creates it at the unit's start), writable by the service
     (under the unit), and room for the caches (below the CUDA cache's own cap, a warning)."""
-    from ..units import CACHE_ENV
+    from ..unit_names import CACHE_ENV
 
     base = Path((environ.get("CACHE_DIRECTORY") or "").split(":")[0] or "/var/cache/dspark")
     cap = next(int(v) for k, v in CACHE_ENV if k == "CUDA_CACHE_MAXSIZE")

@@ -178,8 +178,8 @@ def check_interface(node: NodeConfig, sys_root: Path, proc: Path, addresses: Map
 # ------------------------------------------------------------------------------ RDMA
 def check_rdma(node: NodeConfig, sys_root: Path) -> list[Check]:
     """The RDMA device exists, port 1 is ACTIVE, and the GID NCCL will use is the address's
-    RoCE v2 GID (the index `auto` resolves to: dspark.supervisor.resolve_gid_index)."""
-    from ..supervisor import resolve_gid_index
+    RoCE v2 GID (the index `auto` resolves to: dspark.rdma.resolve_gid_index)."""
+    from ..rdma import resolve_gid_index
 
     dev = node.rdma_device
     ib = sys_root / "class" / "infiniband"

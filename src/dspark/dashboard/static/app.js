@@ -125,8 +125,14 @@ function nodeCard(n) {
   const detail = document.createElement("div");
   detail.className = "detail";
   detail.dataset.field = "detail";
+  // a node on another runtime line than the head's says so here (a wrapping line, in the warning colour)
+  const lineNote = document.createElement("div");
+  lineNote.className = "linenote";
+  lineNote.dataset.field = "linenote";
+  lineNote.hidden = true;
   const table = document.createElement("table");
-  for (const [key, label] of [["restarts", "restarts"], ["vllm_pid", "vLLM pid"], ["uptime", "uptime"],
+  for (const [key, label] of [["runtime_line", "runtime line"],
+                              ["restarts", "restarts"], ["vllm_pid", "vLLM pid"], ["uptime", "uptime"],
                               ["liveness", "alive by"],
                               ["gpu_temp", "GPU temperature"], ["gpu_power", "GPU power"],
                               ["gpu_util", "GPU utilization"], ["nvme_temp", "NVMe temperature"]]) {
@@ -136,11 +142,30 @@ function nodeCard(n) {
     td.className = "v";
     td.dataset.field = key;
   }
-  card.append(h, row, detail, table);
+  card.append(h, row, detail, lineNote, table);
   return card;
 }
 
+// The pair's runtime line (issue 23): the head's line in the header, and a strip while the head's
+// state names a switch (or its rollback) under way.
+const NO_LINE = {head: null, mixed: false, switch: null};
+
+function renderLine(snap) {
+  const rl = snap.runtime_line || NO_LINE;
+  setText(document.getElementById("line"), rl.head || "—", rl.head ? undefined : "none");
+  const strip = document.getElementById("switch");
+  const sw = rl.switch;
+  strip.hidden = !sw;
+  if (!sw) return;
+  const since = sw.for_s === null ? "" : `, ${fmt.dur(sw.for_s)} so far`;
+  setText(strip, `${sw.rollback ? "rolling back" : "switching"} ${sw.from} → ${sw.to} · runtime line ` +
+    (sw.rollback ? "rollback" : "switch") + (sw.id ? ` ${sw.id}` : "") + since +
+    (sw.rollback ? `; it ends once every node serves ${sw.to} again`
+                 : `; it ends once every node serves ${sw.to} and the verdict is in`));
+}
+
 function renderNodes(snap) {
+  const rl = snap.runtime_line || NO_LINE;
   const box = document.getElementById("nodes");
   const many = snap.nodes.length > 2;
   box.classList.toggle("many", many);
@@ -155,8 +180,9 @@ function renderNodes(snap) {
     setText(card.querySelector('[data-field="detail"]'), n.detail || "");
     const gpu = (n.hardware.gpus || [])[0] || {};
     const values = !n.reachable ? Object.fromEntries(  // the last answer's figures are stale
-      ["restarts", "vllm_pid", "uptime", "liveness", "gpu_temp", "gpu_power", "gpu_util", "nvme_temp"]
+      ["runtime_line", "restarts", "vllm_pid", "uptime", "liveness", "gpu_temp", "gpu_power", "gpu_util", "nvme_temp"]
         .map((k) => [k, "—"])) : {
+      runtime_line: na(n.runtime_line, String),
       restarts: na(n.restarts, fmt.int),
       vllm_pid: na(n.vllm_pid, String),
       uptime: na(n.uptime_s, fmt.dur),
@@ -172,6 +198,16 @@ function renderNodes(snap) {
       setText(card.querySelector(`[data-field="${k}"]`), text, text === "n/a" || text === "—" ? "none" : undefined);
     }
     card.querySelector('[data-field="liveness"]').title = n.role === "head" ? "" : WORKER_LIVENESS;
+    const other = n.other_line === true;
+    card.classList.toggle("otherline", other);
+    const lineCell = card.querySelector('[data-field="runtime_line"]');
+    lineCell.classList.toggle("warnv", other);
+    lineCell.title = n.runtime_line && n.file_line && n.runtime_line !== n.file_line
+      ? `the cluster file names ${n.file_line}; dspark switch moved the pair to ${n.runtime_line}` : "";
+    const note = card.querySelector('[data-field="linenote"]');
+    note.hidden = !other;
+    setText(note, !other ? "" : `on runtime line ${n.runtime_line}, the head on ${rl.head}: ` +
+      (rl.switch ? "it follows the head's switch" : "a pair does not form on two lines"));
   }
 }
 
@@ -248,6 +284,7 @@ function render(snap) {
     banner.hidden = true;
   }
   renderFields(snap);
+  renderLine(snap);
   renderNodes(snap);
   renderChart(snap);
   document.getElementById("updated").textContent = new Date(snap.generated_at * 1000).toLocaleTimeString();

