@@ -147,7 +147,7 @@ let
     DSPARK_API_KEY_FILE = cfg.apiKeyFile;
   };
   # A unit of this host's role: started at boot with autoStart, restarted with the cluster file.
-  # Its sandbox is the package's unit text (src/dspark/units.py: `systemd-analyze security` 1.5,
+  # Its sandbox is the package's unit text (src/dspark/unit_render.py: `systemd-analyze security` 1.5,
   # each remaining exposure explained there: CUDA and RDMA devices, JIT, sockets); what is added
   # here (user, environment, credential) relaxes none of it (tests/nix/test_module_hardening.py).
   roleUnit =

@@ -6,9 +6,7 @@ its install phase, and nix/replay-runtime.py after its install (so the two canno
 The patches are the line's series in order (nix/lines.nix: the line's series file), each its own
 path (in the Nix build, its own store path). They are applied by dspark.overlay (all or nothing,
 `patch -F0`) from a directory holding them and a `series` file naming them, headed with the line's
-release (`# vllm-version:`), which the tree must hold. The same release is also set as
-dspark.overlay's SUPPORTED_VLLM_VERSION, for an applier that reads no such header and accepts only
-0.28.0, the release overlay/series is written for. An empty series only checks the release.
+release (`# vllm-version:`), which the tree must hold. An empty series only checks the release.
 Needs dspark's src/ on PYTHONPATH; standard library only otherwise. Exit status: dspark.overlay's.
 """
 
@@ -37,10 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("site_packages", type=Path)
     ap.add_argument("patches", type=Path, nargs="*", help="the line's series, in order")
     args = ap.parse_args(argv)
-    overlay.SUPPORTED_VLLM_VERSION = args.vllm_version  # an applier without `# vllm-version:` (above)
     if not args.patches:
         try:
-            version = overlay.check_version(args.site_packages)
+            version = overlay.check_version(args.site_packages, args.vllm_version)
         except overlay.OverlayError as e:
             print(f"dspark overlay: {e}", file=sys.stderr)
             return 1

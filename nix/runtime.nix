@@ -108,7 +108,7 @@ stdenv.mkDerivation {
   '';
 
   # The JIT caches go where the units point them (TRITON_CACHE_DIR, FLASHINFER_WORKSPACE_BASE,
-  # ... under CacheDirectory=, see src/dspark/units.py); the wrapper only adds the toolchain.
+  # ... under CacheDirectory=, see src/dspark/unit_render.py); the wrapper only adds the toolchain.
   postFixup = ''
     for prog in "$out"/bin/*; do
       case "''${prog##*/}" in python | python3) continue ;; esac

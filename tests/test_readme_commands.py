@@ -120,9 +120,15 @@ def test_readme_commands_run_against_the_local_pair(local_pair, tmp_path):
             continue
         r = subprocess.run(here, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
         results[cmd] = r.returncode
-        if cmd.startswith("curl "):
-            ids = json.loads(r.stdout)["choices"][0]["token_ids"]
-            assert len(ids) == 8, r.stdout
+        if cmd.startswith("curl "):  # the reply the request asked for: its length, its token ids
+            assert r.returncode == 0, (cmd, r.stderr[-2000:])
+            body = json.loads(re.search(r"-d '(\{.*?\})'", cmd).group(1))
+            reply = json.loads(r.stdout)
+            assert reply["choices"] and 0 < reply["usage"]["completion_tokens"] <= body["max_tokens"], r.stdout
+            if body.get("return_token_ids"):
+                assert len(reply["choices"][0]["token_ids"]) == reply["usage"]["completion_tokens"], r.stdout
+            if "messages" in body:
+                assert reply["choices"][0]["message"]["role"] == "assistant", r.stdout
         elif cmd.startswith(".venv/bin/python "):  # the chat script: a reply, then a streamed one
             assert r.returncode == 0 and r.stdout.strip(), (cmd, r.stdout[-2000:], r.stderr[-2000:])
         elif " config check " in cmd:  # the fresh template: every CHANGEME named, nothing passes

@@ -26,6 +26,11 @@ pytestmark = pytest.mark.pair
 A, B = "v0.28.0", "v0.29.0"
 # One level, eight streams: the slowed line (one sequence at a time) is about 8x slower there.
 BENCH = ["--concurrency", "8", "--input-len", "16", "--output-len", "64", "--rounds", "1"]
+# The switches that must be kept are measured with a wide band: on a shared 2-core host one
+# real line's score against the other's swings with the load (the systemd module saw -30 % and
+# +29 %, and -14 % against a measured band of 8.5 % in a CI run). The gate itself is proven on
+# the slowed line, with the band the runs measure.
+WIDE_BAND = ["--min-band", "0.6"]
 
 WRAPPER = """#!/bin/sh
 # vLLM {line} as the switch tests see it: the real install, broken or slowed on purpose by MODE.
@@ -115,7 +120,7 @@ def test_local_up_on_the_second_line_then_a_switch_to_the_first_is_kept_with_its
     assert st.returncode == 0 and st.stdout.count(B) >= 2, st.stdout
     assert completes(pair)
 
-    r, rec = switch(pair, A)
+    r, rec = switch(pair, A, *WIDE_BAND)
     record(pair, "B->A", r, rec)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verdict: kept" in r.stdout and "noise band" in r.stdout and "Traceback" not in r.stdout + r.stderr
@@ -160,7 +165,7 @@ def test_a_line_made_slower_is_rolled_back_by_the_regression_gate(switch_pair):
 def test_the_switch_the_other_way_is_kept_and_the_history_lists_every_switch(switch_pair):
     pair = switch_pair
     set_mode(pair, "ok")
-    r, rec = switch(pair, B)
+    r, rec = switch(pair, B, *WIDE_BAND)
     record(pair, "A->B", r, rec)
     assert r.returncode == 0 and rec["verdict"] == "kept", r.stdout + r.stderr
     assert lines_of(pair) == {n: ("serving", B) for n in pair.names}

