@@ -191,11 +191,11 @@ def measure(nodes: int, rounds: int, tmp: Path) -> dict:
         (d / "sup").mkdir()
         hand.append(by_hand(d / "hand", nodes))
         print(f"{nodes} nodes, round {i + 1}: by hand      ready after {hand[-1]:6.1f} s", flush=True)
-        t, l, h = supervised(d / "sup", nodes)
+        t, lg, h = supervised(d / "sup", nodes)
         sup.append(t)
-        lag.append(l)
+        lag.append(lg)
         health_lag.append(h)
-        print(f"{nodes} nodes, round {i + 1}: supervised   ready after {t:6.1f} s  (READY {l:+.2f} s after vLLM "
+        print(f"{nodes} nodes, round {i + 1}: supervised   ready after {t:6.1f} s  (READY {lg:+.2f} s after vLLM "
               f"first answered a completion, {h:+.2f} s after /health first 200)", flush=True)
     return {"nodes": nodes, "hand_ready_s": hand, "supervised_ready_s": sup,
             "ready_ratio_median": statistics.median(sup) / statistics.median(hand),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pairlib import ARTIFACTS, kill_leftovers, start_pair, vllm_groups
+from standin_lib import Serve
 
 
 def _pair_fixture(workdir: Path, nodes: int = 2):
@@ -39,6 +40,32 @@ def local_ring(tmp_path_factory):
 def fresh_pair(tmp_path):
     """A pair of this test's own, for tests that kill or stop a node."""
     yield from _pair_fixture(tmp_path / "pair")
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium through Selenium (dashboard/browser.py), for the dashboard's pages and
+    the local ring's; skips where Chromium is not installed."""
+    from dashboard.browser import chromium
+
+    with chromium() as driver:
+        yield driver
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Starts `dspark serve` processes against the stand-in vLLM (standin_lib.Serve); every one
+    is killed and its notify socket closed after the test."""
+    started: list[Serve] = []
+
+    def start(cluster, node, **env):
+        s = Serve(tmp_path, cluster, node, **env)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.close()
 
 
 @pytest.fixture(scope="session")

@@ -133,7 +133,7 @@ def vllm():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         vllm = pytest.importorskip("vllm")
-        import vllm.config  # noqa: F401
+        import vllm.config  # noqa: F401,F811 (the submodules, loaded under the same filter)
         import vllm.engine.arg_utils  # noqa: F401
         import vllm.envs  # noqa: F401
         import vllm.utils.argparse_utils  # noqa: F401

@@ -17,7 +17,7 @@ from dspark.supervisor import EXIT_NEVER_READY
 from hostile import HostileServer, answer, send
 from dspark_cli import invoke_dspark
 from test_status_hostile import cluster_for, port
-from test_supervisor import serve, write_cluster  # noqa: F401 (serve is a fixture)
+from standin_lib import write_cluster
 
 
 def nested(depth: int, inner: bytes = b"1") -> bytes:

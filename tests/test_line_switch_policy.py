@@ -8,7 +8,7 @@ import signal
 
 from dspark import states as S
 from dspark.agent_client import AgentAnswer
-from dspark.node_policy import EXIT_NEVER_READY, EXIT_OK, EXIT_SWITCH, Events, Peer
+from dspark.node_policy import EXIT_NEVER_READY, EXIT_OK, EXIT_SWITCH, Events
 
 from test_node_policy import exit_of, good_probe, head_peer, kinds, policy, state_of, worker_peer
 

@@ -13,7 +13,6 @@ import urllib.request
 
 import pytest
 
-from dashboard.browser import browser  # noqa: F401 (the fixture)
 from pairlib import get_json, run_dspark
 from dspark import local as L
 from dspark import vllm_facts as F

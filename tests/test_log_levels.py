@@ -18,7 +18,7 @@ import pytest
 from dspark import log as L
 from dspark.supervisor import EXIT_DIED, EXIT_OK
 from pairlib import dspark_cmd
-from test_supervisor import write_cluster
+from standin_lib import write_cluster
 
 PREFIX = re.compile(r"^<(\d)>")
 

@@ -19,7 +19,7 @@ def test_plan_inputs_default_to_the_config_defaults(tmp_path):
 
 
 def test_a_cluster_file_without_the_setting_plans_with_the_config_default(tmp_path):
-    from test_supervisor import write_cluster
+    from standin_lib import write_cluster
 
     cluster = C.load(write_cluster(tmp_path))
     assert plan_inputs(cluster).gpu_memory_utilization == serving_default("gpu_memory_utilization") == 0.835

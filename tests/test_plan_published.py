@@ -5,7 +5,6 @@ disk and no cluster file; and the plan's hints name only settings the cluster fi
 
 import json
 import re
-from pathlib import Path
 
 from dspark_cli import invoke_dspark
 from plan_fixtures import CONFIG_PATH, write_dsv4_flash_checkpoint, write_tiny_llama

@@ -3,7 +3,6 @@ is the supervisor's, and `dspark render` never reads the API key (the README sai
 it as <redacted>)."""
 
 import re
-from pathlib import Path
 
 from dspark_cli import invoke_dspark
 

@@ -8,7 +8,8 @@ import pytest
 
 from pairlib import run_dspark
 from dspark import config as C
-from dspark.render import REDACTED, Launch, render
+from dspark.render import Launch, render
+from dspark.secret_policy import REDACTED
 
 HERE = Path(__file__).parent
 FIXTURE = HERE / "fixtures" / "cluster-two-node.toml"

@@ -5,7 +5,7 @@ stop is a fresh start (0), a start after a failure exit counts one more. Against
 import os
 import signal
 
-from test_supervisor import serve, write_cluster  # noqa: F401 (serve is a fixture)
+from standin_lib import write_cluster
 
 
 def run_once(serve, cluster, how: str) -> int:

@@ -7,11 +7,8 @@ serves a completion."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,6 @@ from dspark.local_model import TINY_MODEL
 from dspark.node_policy import EXIT_NEVER_READY, Events, Limits, NodePolicy, Peer
 from dspark.preflight import peer as P
 from dspark_cli import invoke_dspark
-from pairlib import kill_leftovers, start_pair
 
 SECOND = "v0.29.0"
 

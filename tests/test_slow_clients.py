@@ -14,7 +14,7 @@ from dspark.agent import Agent
 from dspark.agent_client import fetch_state
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
-from test_supervisor import serve, write_cluster  # noqa: F401 (serve is a fixture)
+from standin_lib import write_cluster
 
 SLOW = 200
 SNAP = {"node": "n", "rank": 0, "role": "head", "state": "serving", "restarts": 0, "uptime_s": 1.0,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dspark_cli import invoke_dspark
 from pairlib import dspark_cmd
-from test_supervisor import STANDIN, free_port, serve, write_cluster  # noqa: F401 (serve: a fixture)
+from standin_lib import STANDIN, free_port, write_cluster
 
 from dspark import config as C
 

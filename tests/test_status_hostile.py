@@ -13,7 +13,7 @@ from dspark import config as C
 from dspark.supervisor import EXIT_DIED
 from hostile import HostileServer, answer, send
 from dspark_cli import invoke_dspark
-from test_supervisor import alive, serve, write_cluster  # noqa: F401 (serve is a fixture)
+from standin_lib import alive, write_cluster
 
 
 def port(server) -> int:

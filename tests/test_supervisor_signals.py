@@ -13,7 +13,7 @@ import pytest
 
 from pairlib import dspark_cmd
 from dspark.supervisor import EXIT_DIED, EXIT_OK
-from test_supervisor import alive, serve, write_cluster  # noqa: F401 (serve is a fixture)
+from standin_lib import alive, write_cluster
 
 
 def test_sighup_stops_vllm_and_exits_as_a_failure_so_systemd_restarts_the_node(tmp_path, serve):

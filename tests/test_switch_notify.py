@@ -10,7 +10,7 @@ import sys
 import time
 import tomllib
 
-from test_supervisor import STANDIN, serve, write_cluster  # noqa: F401 (serve: the fixture)
+from standin_lib import STANDIN, write_cluster
 
 from dspark import config as C
 from dspark import line_state

@@ -15,7 +15,6 @@ import math
 import os
 import re
 import socket
-import stat
 import textwrap
 import tomllib
 import types
@@ -744,9 +743,9 @@ def _check_command_line(c: Cluster) -> list[str]:
         p.append("serving.vllm_command: must name vLLM's CLI, e.g. vllm_command = [\"vllm\"] or "
                  "[\"/opt/runtime/bin/vllm\"]")
     commands = [(f"serving.line_commands.{_toml_key(k)}", v) for k, v in s.line_commands.items()]
-    for field, args in (("serving.extra_args", s.extra_args), ("serving.vllm_command", s.vllm_command), *commands):
+    for where, args in (("serving.extra_args", s.extra_args), ("serving.vllm_command", s.vllm_command), *commands):
         for flag in secret_args(args):
-            p.append(f"{field}: {flag} takes a secret, which does not belong in the cluster file nor on "
+            p.append(f"{where}: {flag} takes a secret, which does not belong in the cluster file nor on "
                      "vLLM's command line (ps shows it); the API key goes in the 'api-key' credential or "
                      "DSPARK_API_KEY in the service's environment file")
         long = [a for a in args if len(a) > MAX_ARG_CHARS]

@@ -246,7 +246,7 @@ class NodePolicy:
         name = signal.Signals(sig).name
         running = self.phase in ("vllm", "draining")
         if sig == signal.SIGHUP:
-            why = f"received SIGHUP: restarting the node (a failure exit: Restart=on-failure brings it back)"
+            why = "received SIGHUP: restarting the node (a failure exit: Restart=on-failure brings it back)"
             return self._end(out, EXIT_DIED, S.FAILED, why, stop=name if running else "", hold=False)
         if self.phase == "backoff":
             return self._end(out, EXIT_OK, S.STOPPED, "stopped during the restart backoff", history="keep")

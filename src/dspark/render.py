@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from . import runtime_lines
 from .config import ENV_NAME, Cluster, NodeConfig
-from .secret_policy import REDACTED, redact_args, redact_env
+from .secret_policy import redact_args, redact_env
 
 
 @dataclass(frozen=True)

@@ -119,15 +119,18 @@ def _save_history(state_dir: Path, rec: Record) -> None:
     os.replace(tmp, Path(state_dir) / HISTORY)
 
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.1%}"
+
+
 def history_table(hist: list[dict]) -> str:
     if not hist:
         return "no switch recorded"
     rows = [("WHEN (UTC)", "FROM", "TO", "VERDICT", "BAND", "GAIN", "DOWN", "SERVING ON", "WHY")]
     for h in hist:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.get("started_at") or 0))
-        pct = (lambda v: "-" if v is None else f"{v:+.1%}")
         rows.append((when, h.get("from_line", "?"), h.get("to_line", "?"), h.get("verdict", "?"),
-                     "-" if h.get("band") is None else f"{h['band']:.1%}", pct(h.get("gain")),
+                     "-" if h.get("band") is None else f"{h['band']:.1%}", _pct(h.get("gain")),
                      "-" if h.get("down_s") is None else f"{h['down_s']:.0f} s", h.get("serving_on") or "-",
                      h.get("reason", "")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]

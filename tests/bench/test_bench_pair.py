@@ -14,7 +14,7 @@ import pytest
 
 from pairlib import run_dspark
 from dspark.bench import decode, prefill, prompts
-from dspark.bench.client import BenchError, Target, scrape, stream_completion
+from dspark.bench.client import Target, scrape, stream_completion
 from dspark.bench.metrics import window
 from dspark.bench.report import Report
 
@@ -126,8 +126,8 @@ def test_prefill_reports_reproduce_and_compare(local_pair, tmp_path):
     # compare: a table of the two real reports (64 and 128 fit in one block: no hits).
     c = run_dspark("bench", "compare", str(tmp_path / "prefill-a.json"), str(tmp_path / "prefill-b.json"))
     assert c.returncode == 0, c.stderr
-    rows = [l for l in c.stdout.splitlines() if l.startswith("| 64 ") or l.startswith("| 128 ")]
-    assert len(rows) == 6 and all(l.count("%") == 1 for l in rows)
+    rows = [r for r in c.stdout.splitlines() if r.startswith("| 64 ") or r.startswith("| 128 ")]
+    assert len(rows) == 6 and all(r.count("%") == 1 for r in rows)
     assert "**b hit the prefix cache** at 512" in c.stdout
 
     # ... and it refuses a report of other prompts.

@@ -132,8 +132,8 @@ def test_judge_counts_extra_requests_and_tokens():
 
 
 def test_missing_histograms_mean_not_reported_not_zero():
-    text = "\n".join(l for l in (FIXTURES / "metrics-single-after.txt").read_text().splitlines()
-                     if "request_prefill_time_seconds" not in l) + "\n"
+    text = "\n".join(line for line in (FIXTURES / "metrics-single-after.txt").read_text().splitlines()
+                     if "request_prefill_time_seconds" not in line) + "\n"
     before = metrics.parse((FIXTURES / "metrics-single-before.txt").read_text(), MODEL)
     w = metrics.window(before, metrics.parse(text, MODEL))
     assert w.prefill_time_s is None

@@ -52,12 +52,6 @@ def chromium():
         shutil.rmtree(profile, ignore_errors=True)
 
 
-@pytest.fixture
-def browser():
-    with chromium() as driver:
-        yield driver
-
-
 # What the page shows, read in one go: every panel's value cells, the node cards, the chart.
 READ_PAGE = """
 const out = {panels: {}, nodes: {}, banner: null, pair: document.getElementById('pair').textContent,

@@ -31,5 +31,3 @@ def agents():
         except OSError:
             pass
 
-
-from .browser import browser  # noqa: E402,F401 (the fixture, for the browser tests)

@@ -15,7 +15,7 @@ from dspark.config import load
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
-from .browser import read_page, wait_for
+from .browser import wait_for
 from .helpers import DashboardProcess, Load
 
 pytestmark = [pytest.mark.pair, pytest.mark.browser]

@@ -19,7 +19,6 @@ from dspark import agent as A
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
-from .browser import wait_for
 from .helpers import scrape_text
 
 pytestmark = pytest.mark.browser

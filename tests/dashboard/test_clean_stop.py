@@ -11,7 +11,7 @@ import time
 
 from dspark import config as C
 from dspark.dashboard import collector as D
-from test_supervisor import serve, write_cluster  # noqa: F401 (serve is a fixture)
+from standin_lib import write_cluster
 
 
 def poll_until(col: D.Collector, pred, timeout: float) -> dict:

@@ -4,7 +4,6 @@ of the JSON endpoint, and the CLI's refusals."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.error

@@ -60,3 +60,13 @@ def pytest_report_header(config):
     """Which nixpkgs.lib the module evaluations run against (their releases, from lib/.version)."""
     found = [f"{p} (release {_release(p)})" for p in LIBS if _is_lib(p)]
     return "nixpkgs.lib: " + ", ".join(found) if found else None
+
+
+@pytest.fixture
+def evaluate(nix_instantiate, nixpkgs_lib):
+    """Evaluates the NixOS module for a host (Nix text) through tests/nix/eval.nix: its config as JSON."""
+    from nix_support import nix_eval
+
+    def run(host_nix: str) -> dict:
+        return nix_eval(nix_instantiate, f"import ./tests/nix/eval.nix {{ libPath = {nixpkgs_lib}; host = {host_nix}; }}")
+    return run

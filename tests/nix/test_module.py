@@ -13,7 +13,7 @@ import pytest
 
 from dspark import config as dspark_config
 from dspark import credentials, units
-from nix_support import NixError, nix_eval, to_nix
+from nix_support import NixError, to_nix
 
 pytestmark = pytest.mark.nix
 
@@ -41,13 +41,6 @@ def host(node: str = "spark-a", raw: str = "", **dspark) -> str:
     opts.update(dspark)
     body = to_nix(opts)[1:-1]
     return f"{{ services.dspark = {{ {body} {raw} }}; }}"
-
-
-@pytest.fixture
-def evaluate(nix_instantiate, nixpkgs_lib):
-    def run(host_nix: str) -> dict:
-        return nix_eval(nix_instantiate, f"import ./tests/nix/eval.nix {{ libPath = {nixpkgs_lib}; host = {host_nix}; }}")
-    return run
 
 
 def test_head_gets_the_head_unit_and_the_worker_ready_chain(evaluate):

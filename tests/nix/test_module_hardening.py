@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from dspark import units
-from test_module import _service_dropin, evaluate, host  # noqa: F401 (evaluate: the fixture)
+from test_module import _service_dropin, host
 
 pytestmark = [pytest.mark.nix,
               pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")]

@@ -23,7 +23,7 @@ import pytest
 from dspark import config as dspark_config
 from dspark import runtime_lines
 from nix_support import REPO, nix_eval
-from test_module import evaluate, host, settings  # noqa: F401 (evaluate: the fixture)
+from test_module import host, settings
 
 pytestmark = pytest.mark.nix
 

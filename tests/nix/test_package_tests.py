@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import tomllib
-from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement

@@ -514,7 +514,7 @@ def check_init(layers: Layers, fi) -> list[str]:
 
 
 def main() -> None:
-    site = Path(sys.argv[1])
+    # sys.argv[1], the tree's site-packages, names the run: the tree is imported through PYTHONPATH.
     cache_dtypes = (sys.argv[2] if len(sys.argv) > 2 else "nvfp4_ds_mla").split(",")
     lengths = tuple(int(n) for n in sys.argv[3].split(",")) if len(sys.argv) > 3 else MAX_MODEL_LENS
     fi = flashinfer_facts.load()

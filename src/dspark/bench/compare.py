@@ -85,6 +85,10 @@ def _g(v: float | None) -> str:
     return "n/a" if v is None else f"{v:+.1%}"
 
 
+def _scaled(v: float | None, scale: float) -> float | None:
+    return None if v is None else v * scale
+
+
 def table(a: Report, b: Report) -> str:
     """The comparison as Markdown; raises CompareRefused for different workloads."""
     check_comparable(a, b)
@@ -116,8 +120,7 @@ def table(a: Report, b: Report) -> str:
             va, vb = f.get(sa[k]), f.get(sb[k])
             if va is None and vb is None:
                 continue
-            sv = (lambda v: None if v is None else v * f.scale)
-            lines.append(f"| {k:,} | {f.name} ({f.unit}) | {fmt(sv(va))} | {fmt(sv(vb))} | "
+            lines.append(f"| {k:,} | {f.name} ({f.unit}) | {fmt(_scaled(va, f.scale))} | {fmt(_scaled(vb, f.scale))} | "
                          f"{_g(gain(va, vb, f.higher_is_better))} |")
     for label, summ in ((la, sa), (lb, sb)):
         hit = [k for k, s in summ.items() if getattr(s, "prefix_cache_hit_trials", 0)

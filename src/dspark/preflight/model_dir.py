@@ -170,7 +170,7 @@ def check_model_dir(model_path: str, load_format: str | None, user: ServiceUser)
             out.append(fail("model.size", f"{len(absent)} tensor(s) {INDEX} names are not in their shard's header: "
                             f"{', '.join(absent[:3])}", "fetch those shards again (a mixed or partial download)"))
             return out, facts
-        seen += f"; every tensor of the index is in its shard"
+        seen += "; every tensor of the index is in its shard"
     # The index's total_size is what the publisher wrote, not always the tensors' exact sum:
     # a difference is worth a look, not a refusal (the headers above are the proof of a whole download).
     if isinstance(expected_total, int) and not isinstance(expected_total, bool) and expected_total != facts.weight_bytes:
