@@ -22,6 +22,8 @@ from typing import Callable
 from . import states as A
 from . import config as C
 from . import line_state
+from .notify import NOTIFY_ENV
+from .signals import SignalQueue
 from .vllm_process import end_group
 from .agent_client import agent_state
 from . import local_model
@@ -226,7 +228,7 @@ class Pair:
         out = open(log, "ab")
         cmd = [sys.executable, "-m", "dspark", "serve", "--config", str(self.cluster_file), "--node", node,
                "--state-dir", str(self.workdir / "state" / node)]
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        env = {k: v for k, v in os.environ.items() if k not in NOTIFY_ENV}
         # Own session: a Ctrl-C in the terminal reaches `local up`, which stops the pair in order.
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, env=env)
@@ -346,18 +348,14 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
     for node in cluster.nodes:
         for name in ("starts", "failures.json", line_state.FILE):
             (pair.workdir / "state" / node.name / name).unlink(missing_ok=True)
-    stop = {"sig": None}
-
-    def on_signal(signum, frame):
-        stop["sig"] = signum
+    sigs = SignalQueue().install((signal.SIGINT, signal.SIGTERM))
 
     def stopping() -> bool:
-        return stop["sig"] is not None
+        return sigs.first is not None
 
     everyone = "both nodes" if nodes == 2 else f"all {nodes} nodes"
     drain = (f"the head first: its requests in flight finish within {cluster.supervisor.drain_s:g} s"
              if cluster.supervisor.drain_s > 0 else "the head first")
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     planned = False
     t0 = time.monotonic()
     try:
@@ -395,12 +393,12 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
         progress(f"Ctrl-C stops {everyone}.")
         if on_ready:
             on_ready(pair)
-        while stop["sig"] is None:
+        while sigs.first is None:
             for name, p in pair.procs.items():
                 if p.poll() is not None:
                     raise LocalError(f"{name}'s supervisor exited with code {p.returncode}; see "
                                      f"{pair.workdir / 'logs' / (name + '.log')}")
-            time.sleep(0.5)
+            sigs.get(0.5)
         progress(f"stopping {everyone} ({drain}) ...")
         planned = True
         return 0
@@ -414,7 +412,6 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
         # Pair.stop's second SIGTERM to a head still draining stops it at once.
         sup = cluster.supervisor
         pair.stop(head_s=sup.drain_s + sup.stop_grace_s + 30 if planned else 0.0)
-        for s, h in old.items():
-            signal.signal(s, h)
+        sigs.restore()
         progress("stopped; no process left behind" if all(p.poll() is not None for p in pair.procs.values())
                  else "warning: a supervisor did not exit")

@@ -1,5 +1,7 @@
-"""Signals for `dspark serve`: the handlers only put the signal on a queue; the supervisor's one
-loop takes them off and acts (uvicorn's supervisors do the same). Stdlib only and cheap to
+"""Signals for dspark's long-running commands (`serve`, `local up`, `dashboard`): the handlers
+only put the signal on a queue; the command's one loop takes them off and acts (uvicorn's
+supervisors do the same). Used as a context manager, the queue gives the handlers it replaced
+back on the way out. Stdlib only and cheap to
 import: `serve` installs the queue before anything else, so a signal that arrives while the
 cluster file is read is acted on, not lost and never a traceback.
 
@@ -19,13 +21,30 @@ WAKE = 0  # not a signal: a background probe has finished, look now rather than 
 class SignalQueue:
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._old: dict[int, object] = {}
+        self.first: int | None = None  # the first signal received, kept after get() took it
 
     def install(self, signals=HANDLED) -> "SignalQueue":
         for sig in signals:
-            signal.signal(sig, self._record)
+            old = signal.signal(sig, self._record)
+            self._old.setdefault(sig, old)
         return self
 
+    def restore(self) -> None:
+        """The handlers install() replaced, back in place."""
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def __enter__(self) -> "SignalQueue":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
     def _record(self, signum, frame) -> None:  # a handler does nothing else
+        if self.first is None:
+            self.first = signum
         self._q.put(signum)
 
     def put(self, signum: int) -> None:

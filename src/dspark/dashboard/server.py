@@ -29,6 +29,7 @@ from pathlib import Path
 from .. import __version__
 from ..http_server import BoundedHTTPServer, discard_body
 from ..safe_read import MAX_SECRET_BYTES, read_text
+from ..signals import SignalQueue
 from .collector import Collector
 
 DEFAULT_HOST = "127.0.0.1"
@@ -211,14 +212,7 @@ def serve(collector: Collector, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
     from ..notify import Notifier
 
     server = DashboardServer(host, port, collector, token)  # raises before anything starts
-    stop = threading.Event()
-    received: list[int] = []
-
-    def on_signal(signum, frame) -> None:  # only records; the loop below acts
-        received.append(signum)
-        stop.set()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    sigs = SignalQueue().install((signal.SIGTERM, signal.SIGINT))  # only records; the loop below acts
     notify = Notifier()
     collector.start()
     server.start()
@@ -226,13 +220,12 @@ def serve(collector: Collector, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
         notify.ready(f"dashboard on {server.url}")
         if on_ready:
             on_ready(server)
-        while not stop.wait(1.0):
-            pass
+        while sigs.first is None:
+            sigs.get(1.0)
         notify.stopping("stopping")
         return 0
     finally:
         server.stop()
         collector.stop()
         notify.close()
-        for s, hnd in old.items():
-            signal.signal(s, hnd)
+        sigs.restore()
