@@ -1,4 +1,4 @@
-"""The benchmark scripts' --help speaks to a user (issue 15 item 12): no tracker issue numbers,
+"""The benchmark scripts' --help speaks to a user: no tracker issue numbers,
 which mean nothing outside the project's own history."""
 
 import re

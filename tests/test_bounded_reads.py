@@ -1,4 +1,4 @@
-"""Files of the model directory read with the cluster file's guards (issue 21, item 4): a FIFO,
+"""Files of the model directory read with the cluster file's guards: a FIFO,
 a link to /dev/zero, an oversized or too deeply nested config.json, and a safetensors shard
 that is a FIFO or a device. `dspark plan` and `dspark check` end quickly with one clear line
 (plan: exit 2, as for a missing config.json; check: a failed check, exit 1), never a hang,

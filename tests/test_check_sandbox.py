@@ -1,4 +1,4 @@
-"""dspark check under the hardened units (issue 21 item 8), on built /sys and /proc trees and on
+"""dspark check under the hardened units, on built /sys and /proc trees and on
 this host (no NVIDIA driver): gpu.uvm, since the units allow /dev/nvidia-uvm but cannot load
 nvidia_uvm (ProtectKernelModules=, NoNewPrivileges=); and memory.oom-killers, which cannot see
 root's earlyoom through the units' /proc (ProtectProc=invisible) and says so."""

@@ -1,4 +1,4 @@
-"""`--config` is declared once and honoured the same way by every command (issue 12, item 14)."""
+"""`--config` is declared once and honoured the same way by every command."""
 
 from __future__ import annotations
 

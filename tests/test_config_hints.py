@@ -1,4 +1,4 @@
-"""`config check` on the fresh template (issue 15 item 12): each node's hints suggest values of
+"""`config check` on the fresh template: each node's hints suggest values of
 its own (the second node: spark-b, .11, rank 1), never the first node's name and address, which
 a user who follows them would then have twice."""
 

@@ -1,4 +1,4 @@
-"""The cluster file as a careless or hostile user writes it (issue 12, items 1, 2, 6, 7, 12):
+"""The cluster file as a careless or hostile user writes it:
 every bad file is refused by `dspark config check` (and by serve, with exit 2) with a message
 naming the field, never a traceback, never a hang."""
 

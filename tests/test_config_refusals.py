@@ -1,4 +1,4 @@
-"""Issue 21, items 5-7: a closed API by default, every secret path closed, and the validation
+"""A closed API by default, every secret path closed, and the validation
 gaps refused, each through the real CLI in-process (`dspark config check`, `dspark render`,
 `dspark check --no-peers`) with a message naming the field; validation linear in the node
 count."""

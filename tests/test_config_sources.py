@@ -1,4 +1,4 @@
-"""The serving defaults and where each comes from (issue 19, item 7): every default in the
+"""The serving defaults and where each comes from: every default in the
 template names its source, `dspark render` of the template carries the GB10 settings, and vLLM
 0.28.0's own code (parser, environment registry, CUDA-graph sizing and dispatch) takes them as
 the template says."""

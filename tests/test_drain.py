@@ -1,4 +1,4 @@
-"""A planned stop drains (issue 21, item 9), on the real local pair: Ctrl-C of `dspark local up`
+"""A planned stop drains, on the real local pair: Ctrl-C of `dspark local up`
 (SIGTERM to the head's supervisor) lets every request in flight finish with its full output,
 turns new requests away at once, and exits 0 within the drain; a fault (kill -9 of the worker's
 vLLM) still stops the head at once, whatever is in flight.

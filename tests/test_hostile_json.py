@@ -1,4 +1,4 @@
-"""Hostile JSON from a peer (issue 21, item 2): nested past the recursion limit, nested deeper
+"""Hostile JSON from a peer: nested past the recursion limit, nested deeper
 than any real answer, or larger than any agent's /state. Through the real callers: the agent
 client, `dspark status`, `dspark wait-worker`, the head's supervisor waiting for its worker,
 and the dashboard's collector. Each sees an unreachable node, never a traceback."""

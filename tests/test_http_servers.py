@@ -1,5 +1,4 @@
-"""The agent's and the dashboard's HTTP servers against clients that misbehave (issue 12,
-item 11): idle and half-open connections, a flood of them, a refused request's body on a
+"""The agent's and the dashboard's HTTP servers against clients that misbehave: idle and half-open connections, a flood of them, a refused request's body on a
 keep-alive connection, a token file its group can read. Real servers on loopback."""
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ SNAP = {"node": "n", "rank": 0, "role": "head", "state": "serving", "restarts": 
 def server(request, monkeypatch):
     try:
         import dspark.http_server as H
-    except ImportError:  # before issue 12: no bounded server at all
+    except ImportError:  # an old tree: no bounded server at all
         H = None
     if H is not None:
         monkeypatch.setattr(H, "SOCKET_TIMEOUT_S", 1.0)

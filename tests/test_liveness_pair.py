@@ -1,4 +1,4 @@
-"""Liveness on the real local pair (issue 16): a saturated pair keeps serving every request, a
+"""Liveness on the real local pair: a saturated pair keeps serving every request, a
 wedged one (the worker's vLLM stopped with SIGSTOP) is found within stall_s, and a hung engine
 with nothing queued is caught by the 1-token probe. Under systemd: tests/systemd."""
 

@@ -1,5 +1,5 @@
 """`local up` starts each node's log afresh at each run and keeps the last run's as .log.1
-(issue 15 item 12: the logs grew across runs). A real `dspark serve` spawned the way local up
+(the logs grew across runs). A real `dspark serve` spawned the way local up
 does, refused at once by a missing cluster file, writes the new log."""
 
 from dspark.local import Pair

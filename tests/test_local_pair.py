@@ -179,7 +179,7 @@ def test_ready_only_after_a_real_completion_and_clean_stop(tmp_path):
                            in (tmp_path / "local-worker.log").read_text()), rc
         for t in inflight:
             t.join(timeout=60)
-        # A requested stop reads as clean: vLLM's abort is one line, never a traceback (issue 24).
+        # A requested stop reads as clean: vLLM's abort is one line, never a traceback.
         head_log = (tmp_path / "local-head.log").read_text()
         assert "Traceback" not in head_log, head_log[-6000:]
         assert "done" not in answers, answers

@@ -1,4 +1,4 @@
-"""Tool calls on the local pair (issue 24 item 1): the tiny model's chat template lists the tools
+"""Tool calls on the local pair: the tiny model's chat template lists the tools
 and writes calls as <tool_call> JSON, and the pair runs vLLM's `hermes` tool-call parser, so the
 OpenAI SDK's tool calls work as they do against the GB10 pair (there: the DeepSeek V4 parser).
 

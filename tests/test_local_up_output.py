@@ -1,4 +1,4 @@
-"""What `dspark local up` prints, read as a new user would (issue 15 items 1, 2, 3, 8), against
+"""What `dspark local up` prints, read as a new user would, against
 the real local pair: the hints are commands that run as printed, the sample request shows what
 the tiny model gives (its token ids) and says what it cannot do, the progress lines carry a
 detail and one clock, in the order things happened, and a fresh pair has no restarts."""

@@ -1,4 +1,4 @@
-"""No orphan, ever (issue 21, item 1), on the real local pair: whatever ends a vLLM run, every
+"""No orphan, ever, on the real local pair: whatever ends a vLLM run, every
 process of that run (vLLM's API process, `VLLM::EngineCore`, `VLLM::Worker_TP*`: one process
 group) is gone before its supervisor exits, and nothing of it holds a listening port.
 

@@ -1,4 +1,4 @@
-"""The serving path makes no download attempt (issue 20, item 4): the real local pair (vLLM CPU
+"""The serving path makes no download attempt: the real local pair (vLLM CPU
 build, `dspark local up`) started in a network namespace of this test's own that has only a
 loopback interface, every process of it traced for connect(2) (strace -f), and every Python
 process of it logging socket.getaddrinfo / socket.connect through an audit hook (a

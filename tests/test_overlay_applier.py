@@ -1,4 +1,4 @@
-"""The overlay applier on small trees of its own (issue 12, item 9): a relative --overlay-dir,
+"""The overlay applier on small trees of its own: a relative --overlay-dir,
 a read-only tree, a malformed _version.py and a patch naming a path outside the tree are clear
 errors; a patch whose context does not match exactly is refused (no fuzz)."""
 

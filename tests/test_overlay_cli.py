@@ -1,4 +1,4 @@
-"""`dspark overlay` as a user meets it (issue 15 item 12): its help names the command that was
+"""`dspark overlay` as a user meets it: its help names the command that was
 typed, and `overlay check`'s exit status says whether the series is applied (0) or not (3),
 so that a script can act on it; an error stays 1."""
 

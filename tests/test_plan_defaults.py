@@ -1,4 +1,4 @@
-"""The plan's defaults are the cluster file's: one fact, one place (issue 12)."""
+"""The plan's defaults are the cluster file's: one fact, one place."""
 
 import dataclasses
 

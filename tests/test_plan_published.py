@@ -1,4 +1,4 @@
-"""`dspark plan --published` (issue 15 item 6): the plan of the published DeepSeek V4 Flash
+"""`dspark plan --published`: the plan of the published DeepSeek V4 Flash
 checkpoint from dspark's shipped description of its safetensors headers, with no model on
 disk and no cluster file; and the plan's hints name only settings the cluster file accepts
 (item 10)."""

@@ -1,4 +1,4 @@
-"""README.md's runnable commands, run as written against the real local pair (issue 15): every
+"""README.md's runnable commands, run as written against the real local pair: every
 `sh` block is read; each command that can run on this machine runs (with the pair's own ports
 and directory in place of the defaults), and every other one must be of a kind listed here
 with the reason it cannot, so a new README command cannot go untested unnoticed. A `python`

@@ -1,4 +1,4 @@
-"""Figures and claims in README.md that the code decides (issue 15 item 7): the restart backoff
+"""Figures and claims in README.md that the code decides: the restart backoff
 is the supervisor's, and `dspark render` never reads the API key (the README said it printed
 it as <redacted>)."""
 

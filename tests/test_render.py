@@ -50,18 +50,18 @@ def test_golden(node):
 
 def test_head_reproduces_the_seed_command_line(cluster):
     """The seed's line, but for the defaults that depart from it, each with its source in
-    config.ServingConfig (issue 19): MiaAI-Lab's utilization and long-prefill threshold, and
+    config.ServingConfig: MiaAI-Lab's utilization and long-prefill threshold, and
     capture sizes in multiples of the 6 verify rows of a request (vLLM takes the largest, 72,
     as the maximum)."""
     launch = render(cluster, cluster.head)
     got = flags(launch.argv)
     want = flags(SEED_HEAD.split())
     want["--served-model-name"] = "deepseek-v4-flash"
-    want["--host"] = "192.168.100.10"  # the API binds the fabric address unless told otherwise (issue 21)
+    want["--host"] = "192.168.100.10"  # the API binds the fabric address unless told otherwise
     del want["--max-cudagraph-capture-size"]
     want.update({"--gpu-memory-utilization": "0.835", "--long-prefill-token-threshold": "1024",
                  "--cudagraph-capture-sizes": "6"})
-    want["--shutdown-timeout"] = "60"  # a planned stop drains (supervisor.drain_s; issue 21 item 9)
+    want["--shutdown-timeout"] = "60"  # a planned stop drains (supervisor.drain_s)
     assert got == want
     sizes = launch.argv.index("--cudagraph-capture-sizes")
     assert launch.argv[sizes + 1:sizes + 13] == [str(6 * n) for n in range(1, 13)]

@@ -1,4 +1,4 @@
-"""RESTARTS counts the restarts of this running node (issue 15 item 3): a start after a clean
+"""RESTARTS counts the restarts of this running node: a start after a clean
 stop is a fresh start (0), a start after a failure exit counts one more. Against a real
 `dspark serve` with the stand-in vLLM and one state directory across the runs."""
 

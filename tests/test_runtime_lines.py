@@ -1,4 +1,4 @@
-"""Issue 23, first step: runtime lines as data (dspark/data/runtime_lines.toml, dspark.runtime_lines).
+"""Runtime lines as data (dspark/data/runtime_lines.toml, dspark.runtime_lines).
 
 The cluster file names a line (serving.runtime_line, default the seed's v0.28.0); `dspark render`
 renders the settings through the line's vocabulary and `dspark config check` refuses a setting

@@ -1,4 +1,4 @@
-"""Slow clients against the agent and the dashboard (issue 21, item 3): 200 connections on
+"""Slow clients against the agent and the dashboard: 200 connections on
 loopback that trickle their request a byte at a time take no handler slot; the servers keep
 answering real requests, and a pair of real supervisors (stand-in vLLM) keeps serving for
 3 x head_lost_s under that load."""

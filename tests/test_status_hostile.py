@@ -1,5 +1,5 @@
 """`dspark status`, `dspark wait-worker` and a serving worker's supervisor when a peer's agent
-answers JSON that is not an object (issue 12, item 3): the node shows as unreachable, never a
+answers JSON that is not an object: the node shows as unreachable, never a
 traceback; a worker whose head turns to such answers leaves the pair as from a silent head."""
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def test_head_ready_after_a_real_completion_then_clean_stop(tmp_path, serve):
 
 @pytest.mark.parametrize("drain_s", [0.0, 1.0])
 def test_sigkill_after_the_grace_period(tmp_path, serve, drain_s):
-    """Without a drain: SIGKILL after stop_grace_s. With one (issue 21 item 9): a vLLM that does
+    """Without a drain: SIGKILL after stop_grace_s. With one: a vLLM that does
     not exit on the drain's SIGTERM is killed once drain_s + stop_grace_s are up."""
     cluster = write_cluster(tmp_path, stop_grace_s=1.5, drain_s=drain_s)
     s = serve(cluster, "h", STANDIN_IGNORE_TERM=1)

@@ -1,4 +1,4 @@
-"""Signals at the edges of `dspark serve`'s life (issue 12 item 4), against the stand-in vLLM:
+"""Signals at the edges of `dspark serve`'s life, against the stand-in vLLM:
 SIGHUP restarts the node through a failure exit, SIGTERM during the restart backoff keeps the
 failure history, a SIGKILLed supervisor takes its vLLM with it (parent-death signal), and a
 SIGINT in the first instants gives no traceback."""

@@ -1,6 +1,6 @@
 """What `dspark systemd render/install` writes, read back by systemd's own parser
 (`systemd-analyze verify`, no running systemd needed): a `$` in the executable's path and a
-config path with a space (issue 12, item 12)."""
+config path with a space."""
 
 from __future__ import annotations
 

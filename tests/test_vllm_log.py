@@ -1,4 +1,4 @@
-"""A requested stop reads as clean in the head's log (issue 24 item 5): vLLM's EngineDeadError
+"""A requested stop reads as clean in the head's log: vLLM's EngineDeadError
 traceback of its shutdown abort becomes one line; a crash, and every other traceback, is copied
 as vLLM wrote it. On vLLM 0.28.0's real text (tests/fixtures, from a `local up` pair stopped with
 three requests in flight, and a traceback vLLM logged while serving)."""

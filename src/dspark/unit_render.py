@@ -121,7 +121,7 @@ def _header(what: str) -> str:
 
 def _common_hardening(devices: bool) -> list[str]:
     """The sandbox of every dspark service. `systemd-analyze security` rates the node units 1.5
-    (3.5 before issue 21 item 8; nixpkgs' CUDA services reach 1.5); each setting it still counts
+    (3.5 before the hardening; nixpkgs' CUDA services reach 1.5); each setting it still counts
     as exposed carries its reason here (tests/systemd/test_units_hardening.py checks both)."""
     lines = [
         "# Hardening. Everything is read-only but the state and cache directories.",

@@ -1,4 +1,4 @@
-"""The README's before/after on one pair (issue 24 item 4): the same commands run twice against
+"""The README's before/after on one pair: the same commands run twice against
 the same running server, then `bench compare`. Each run salts its requests with a prefix-cache
 salt of its own (vLLM's `cache_salt`), so the second run sends the identical prompts (the same
 fingerprints, which `compare` demands) yet is measured afresh, not served from the cache the

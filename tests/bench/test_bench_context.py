@@ -1,4 +1,4 @@
-"""What bench tells a user (issue 15 items 9 and 11): compare names the parameter in which two
+"""What bench tells a user: compare names the parameter in which two
 reports differ, in the options of their own kind."""
 
 import pytest

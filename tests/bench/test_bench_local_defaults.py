@@ -1,4 +1,4 @@
-"""bench on the local pair as a new user runs it (issue 15 item 9): `bench prefill` with its
+"""bench on the local pair as a new user runs it: `bench prefill` with its
 default lengths runs (those that fit the pair's max_model_len of 4,096, and it says which it left
 out), and a run whose every measured trial came from the prefix cache exits 1 and says why."""
 

@@ -1,4 +1,4 @@
-"""Issue 21, item 6: `dspark bench --url http://user:password@host...` keeps the user name and
+"""`dspark bench --url http://user:password@host...` keeps the user name and
 password out of every report file and every printed line (reports are world-readable)."""
 
 from __future__ import annotations

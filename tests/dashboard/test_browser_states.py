@@ -1,11 +1,11 @@
-"""The page's context in Debian's headless Chromium (issue 15 item 5), without the pair: the
+"""The page's context in Debian's headless Chromium, without the pair: the
 dashboard's real collector and server, two real node agents, and vLLM's /metrics served from
 the captured scrapes (edited where a state needs other counters). Screenshots are kept.
 
 States: a prefill burst beside a small decode rate (each line on its own, labelled scale),
 idle (what moves is the head's liveness probe, and the page says so), down (vLLM
 unreachable, the head stopped: quiet dashes, no wall of red, no stale PIDs), and a runtime-line
-switch (issue 23: the line on every card, a node on another line than the head's marked, the
+switch (the line on every card, a node on another line than the head's marked, the
 switch and its rollback in a strip while the head's state names one)."""
 
 from __future__ import annotations

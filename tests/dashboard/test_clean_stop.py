@@ -1,4 +1,4 @@
-"""A cleanly stopped node reads as stopped on the dashboard (issue 15 item 4), never failed.
+"""A cleanly stopped node reads as stopped on the dashboard, never failed.
 
 A real `dspark serve` (with the stand-in vLLM) and the dashboard's real collector polling its
 agent once a second, as the page does: a stop that passes through `stopping` and `stopped`

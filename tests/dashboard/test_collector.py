@@ -342,7 +342,7 @@ def test_collector_shows_which_proof_of_life_the_head_used_last(metrics_stand_in
     assert "16 running" in live["proof_detail"] and snap["nodes"][1]["liveness"] is None
 
 
-# ------------------------------------------------------------------ runtime lines (issue 23)
+# ------------------------------------------------------------------ runtime lines
 
 def switch_record(frm: str, to: str, *, rollback: bool = False, ago_s: float = 0.0) -> dict:
     """The head's line_switch as dspark.line_state.Switch.to_json() writes it."""

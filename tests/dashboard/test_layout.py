@@ -1,4 +1,4 @@
-"""The page at any node count (issue 24 item 2): 2, 4 and 8 nodes at 1,280, 1,600 and 1,920 px
+"""The page at any node count: 2, 4 and 8 nodes at 1,280, 1,600 and 1,920 px
 in Debian's headless Chromium, without the pair: the dashboard's real collector and server, real
 node agents serving wide but real-shaped states (7-digit PIDs, a day of uptime, three-digit
 proof ages, GPU and NVMe readings, a runtime-line switch under way with the last node still on

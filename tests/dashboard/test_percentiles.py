@@ -1,4 +1,4 @@
-"""Latency figures that cannot contradict each other (issue 24 item 3).
+"""Latency figures that cannot contradict each other.
 
 The dashboard sees no single request: its p50 and p95 come from vLLM's histogram buckets, and
 those are coarse (the first end-to-end bucket is 0-300 ms). Idle, what finishes is the head's

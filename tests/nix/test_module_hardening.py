@@ -1,4 +1,4 @@
-"""Issue 21 item 8 on NixOS: the package's node units (`dspark systemd render`) with the drop-in
+"""The units' sandbox on NixOS: the package's node units (`dspark systemd render`) with the drop-in
 the module writes for them (User=, the environment, the head's credential) as
 `systemd-analyze security` rates them: the module relaxes none of the units' sandbox, so a
 NixOS host's units are rated as the rendered ones, at most EXPOSURE_MAX."""

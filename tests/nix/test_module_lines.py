@@ -1,4 +1,4 @@
-"""services.dspark on runtime lines (issue 23): `services.dspark.lines` (line id -> runtime, by default
+"""services.dspark on runtime lines: `services.dspark.lines` (line id -> runtime, by default
 every line of the flake) and `settings.serving.runtime_line`, the switch on NixOS.
 
 The module writes every line's command into the cluster file (`serving.line_commands`) and the

@@ -129,7 +129,7 @@ def test_strip_misaligns_openblas_and_gfortran_reproduced_and_fixed(tmp_path):
 
 
 def test_full_replay_of_the_lock_is_clean(tmp_path):
-    """The measure of issue 11: the whole lock replays with no problem (about 5 minutes)."""
+    """The whole lock replays with no problem (about 5 minutes)."""
     cached(*BY_NAME)
     installer()
     proc = subprocess.run([sys.executable, str(REPO / "nix/replay-runtime.py"), "--cache", str(CACHE),

@@ -1,4 +1,4 @@
-"""nix/replay-runtime.py on every runtime line (issue 23): `--line ID` replays that line's build
+"""nix/replay-runtime.py on every runtime line: `--line ID` replays that line's build
 (its lock, the shared runtime-build.json, and last its overlay series through nix/apply-overlay.py,
 as nix/runtime.nix's install phase does), without nixpkgs.
 

@@ -1,4 +1,4 @@
-"""Issue 23 on the Nix side: one runtime per runtime line (nix/lines.nix reading
+"""Runtime lines on the Nix side: one runtime per runtime line (nix/lines.nix reading
 src/dspark/data/runtime_lines.toml), built by the same nix/runtime.nix from that line's lock and
 overlay series, one flake output each beside `.#runtime` (the default line).
 

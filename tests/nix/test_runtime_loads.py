@@ -1,5 +1,5 @@
 """Libraries the runtime loads itself (dlopen by soname, outside DT_NEEDED) and the RPATH the Nix
-build gives each object (issue 20, item 1).
+build gives each object.
 
 nix/replay-runtime.py checks every soname an object names in its strings or .note.dlopen table
 against the RPATH autoPatchelf leaves it. Here: that check on objects built here (everywhere), on

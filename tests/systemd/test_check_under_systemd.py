@@ -49,7 +49,7 @@ def test_failed_check_refuses_the_start_without_restarts():
         assert "refusing to start: dspark check failed: model.dir" in status, status
         lines = [m for _, m in box.journal(UNIT)]
         assert any("check warn  gpu" in m for m in lines)  # warnings are logged too
-        # Under the hardened unit (issue 21 item 8): the nvidia_uvm check runs (no driver here),
+        # Under the hardened unit: the nvidia_uvm check runs (no driver here),
         # and the OOM-killer check says that ProtectProc=invisible hides root's processes.
         assert any("gpu.uvm" in m and "no NVIDIA driver" in m for m in lines), lines
         assert any("memory.oom-killers" in m and "not seen" in m for m in lines), lines

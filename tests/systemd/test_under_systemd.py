@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.systemd,
 
 START_S = 600      # a pair start on a loaded 2-core machine (about 50 s when idle)
 DETECT_S = 15      # the issue's bound for detecting a worker death
-EXPOSURE_MAX = 2.0  # issue 21 item 8: `systemd-analyze security` of the node units (nixpkgs' CUDA services: 1.5)
+EXPOSURE_MAX = 2.0  # `systemd-analyze security` of the node units (nixpkgs' CUDA services: 1.5)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_start_head_pulls_in_the_worker_ready_target_and_waits_for_it(app: Appli
 
 
 def test_the_units_run_as_shipped_as_the_unprivileged_dspark_user(app: Appliance):
-    # No test drop-in relaxes the units (issue 12 item 13): what runs is what ships.
+    # No test drop-in relaxes the units: what runs is what ships.
     for unit in ("dspark-head.service", "dspark-worker.service", "dspark-wait-worker.service"):
         p = app.box.show(unit, "User", "ProtectSystem", "ProtectHome", "NoNewPrivileges", "DropInPaths")
         assert p["User"] == "dspark" and p["ProtectSystem"] == "strict" and p["NoNewPrivileges"] == "yes", p
@@ -90,7 +90,7 @@ def test_the_units_run_as_shipped_as_the_unprivileged_dspark_user(app: Appliance
 
 
 def test_the_node_units_are_hardened_and_the_pair_serves_under_them(app: Appliance):
-    """Issue 21 item 8: `systemd-analyze security` of the container's systemd, on the units as
+    """`systemd-analyze security` of the container's systemd, on the units as
     loaded (drop-ins included), rates each node unit at most EXPOSURE_MAX (3.5 before); the
     sandbox is in force on the running supervisors, and the pair serves under it."""
     for unit in ("dspark-head.service", "dspark-worker.service"):

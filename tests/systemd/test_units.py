@@ -82,7 +82,7 @@ def test_bad_unit_text_fails_verify(rendered, breakage):
     assert not ok and output
 
 
-def test_node_units_say_what_the_issue_asks():
+def test_node_units_are_notify_watchdog_restart_on_failure_and_sandboxed():
     units = U.render_units(DSPARK_BIN)
     for name in (U.HEAD, U.WORKER):
         s = settings(units[name])

@@ -1,4 +1,4 @@
-"""Issue 21 item 8: the rendered units' sandbox, as `systemd-analyze security` rates it (offline,
+"""The rendered units' sandbox, as `systemd-analyze security` rates it (offline,
 on the unit files as shipped): at most EXPOSURE_MAX for every service (the node units were at
 3.5; nixpkgs' CUDA services reach 1.5), and every setting it still counts as exposed is
 explained by a comment in the unit. The same rating of the loaded units, with the pair
@@ -72,7 +72,7 @@ def test_every_exposed_setting_of_a_node_unit_is_explained_in_the_unit(rendered,
     assert unexplained == [], unexplained
 
 
-def test_the_sandbox_settings_of_issue_21(rendered):
+def test_the_hardening_settings_are_in_the_rendered_units(rendered):
     text = (rendered / U.HEAD).read_text()
     for line in ("ProtectProc=invisible", "RemoveIPC=yes", "PrivateUsers=yes", "SystemCallFilter=@system-service",
                  "SystemCallFilter=~@privileged", "SystemCallErrorNumber=EPERM", "PrivateMounts=yes",

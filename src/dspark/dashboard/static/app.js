@@ -146,7 +146,7 @@ function nodeCard(n) {
   return card;
 }
 
-// The pair's runtime line (issue 23): the head's line in the header, and a strip while the head's
+// The pair's runtime line: the head's line in the header, and a strip while the head's
 // state names a switch (or its rollback) under way.
 const NO_LINE = {head: null, mixed: false, switch: null};
 
