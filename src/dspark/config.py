@@ -750,7 +750,7 @@ def _check_command_line(c: Cluster) -> list[str]:
                      "DSPARK_API_KEY in the service's environment file")
         long = [a for a in args if len(a) > MAX_ARG_CHARS]
         if long:
-            p.append(f"{field}: an argument of {len(long[0])} characters, longer than {MAX_ARG_CHARS}; vLLM's "
+            p.append(f"{where}: an argument of {len(long[0])} characters, longer than {MAX_ARG_CHARS}; vLLM's "
                      "options and paths are shorter")
     for arg in s.extra_args:
         flag = owned_flag(arg)
