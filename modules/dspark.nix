@@ -44,7 +44,7 @@ let
       address = mkOption {
         type = types.nullOr types.str;
         default = null;
-        description = "The node's address on the dedicated fabric (required; `null` only so that a missing address is reported by an assertion).";
+        description = "The node's address on the dedicated fabric (required; `null` only so that a missing address is reported by `dspark config check` when the cluster file is built).";
       };
       socket_ifname = mkOption {
         type = types.nullOr types.str;
@@ -72,31 +72,13 @@ let
 
   nodes = cfg.settings.nodes;
   names = map (n: n.name) nodes;
-  ranks = map (n: n.rank) nodes;
-  nodeCount = lib.length nodes;
-  # Ranks run 0..n-1 without a gap: each one missing below the highest given is named.
-  missingRanks = lib.filter (r: !(lib.elem r ranks)) (
-    lib.range 0 (lib.foldl' lib.max (nodeCount - 1) ranks)
-  );
-  # The parallelism the serving settings ask for, in nodes (the check of src/dspark/config.py).
   serving = cfg.settings.serving;
-  gpusWanted = serving.tensor_parallel_size * serving.pipeline_parallel_size;
-  nodesWanted = gpusWanted / serving.gpus_per_node;
-  parallelism = "tensor_parallel_size ${toString serving.tensor_parallel_size} x pipeline_parallel_size ${toString serving.pipeline_parallel_size} = ${toString gpusWanted} GPUs";
-  plural = n: word: "${toString n} ${word}${lib.optionalString (n != 1) "s"}";
-  rankList = rs: lib.concatMapStringsSep ", " toString rs;
-  parallelismMessage =
-    if lib.mod gpusWanted serving.gpus_per_node != 0 then
-      "services.dspark.settings.serving: ${parallelism}, which is not a whole number of nodes of gpus_per_node = ${toString serving.gpus_per_node}; make tensor_parallel_size x pipeline_parallel_size = nodes x gpus_per_node."
-    else if nodesWanted > nodeCount then
-      "services.dspark.settings.nodes: ${plural (nodesWanted - nodeCount) "node"} missing: ${parallelism} need ${plural nodesWanted "node"} of gpus_per_node = ${toString serving.gpus_per_node}, and settings.nodes has ${toString nodeCount}; add the nodes of rank ${rankList (lib.range nodeCount (nodesWanted - 1))} (or lower tensor_parallel_size)."
-    else
-      "services.dspark.settings.nodes: ${plural (nodeCount - nodesWanted) "node"} too many: ${parallelism} need ${plural nodesWanted "node"} of gpus_per_node = ${toString serving.gpus_per_node}, and settings.nodes has ${toString nodeCount}; remove the nodes of rank ${rankList (lib.range nodesWanted (nodeCount - 1))} (or raise tensor_parallel_size).";
+  # The cluster file's own rules (ranks, names, addresses, parallelism, the model path, ...) are
+  # not restated here: `dspark config check` runs on the file when it is built (clusterFile).
   byName = lib.listToAttrs (map (n: lib.nameValuePair n.name n) nodes);
   self = byName.${cfg.node} or null;
   known = self != null;
   isHead = known && self.rank == 0;
-  duplicates = xs: lib.unique (lib.filter (x: lib.count (y: y == x) xs > 1) xs);
 
   # The file both nodes read: null (unset optional fields) is left out, as TOML has no null.
   dropNulls =
@@ -107,7 +89,19 @@ let
       map dropNulls v
     else
       v;
-  clusterFile = settingsFormat.generate "cluster.toml" (dropNulls cfg.settings);
+  # Checked by the package's own validator when it is built: a file dspark would refuse fails
+  # `nixos-rebuild` with dspark's message, before any unit starts on it.
+  uncheckedClusterFile = settingsFormat.generate "cluster-unchecked.toml" (dropNulls cfg.settings);
+  clusterFile =
+    pkgs.runCommand "cluster.toml"
+      {
+        nativeBuildInputs = [ cfg.package ];
+        passthru.unchecked = uncheckedClusterFile;
+      }
+      ''
+        dspark config check --config ${uncheckedClusterFile}
+        cp ${uncheckedClusterFile} "$out"
+      '';
 
   # Runtime lines: every line of `lines` is installed (its command in serving.line_commands, so its
   # runtime is in the system's closure); the nodes run serving.runtime_line's.
@@ -376,33 +370,8 @@ in
           assertion = nodes == [ ] || known;
           message = "services.dspark.node = \"${cfg.node}\" is not a node of services.dspark.settings.nodes (known: ${lib.concatStringsSep ", " names}); set services.dspark.node to this host's entry.";
         }
-        {
-          assertion = duplicates names == [ ];
-          message = "services.dspark.settings.nodes: the names ${lib.concatStringsSep ", " (duplicates names)} are used more than once.";
-        }
-        {
-          assertion = nodes == [ ] || gpusWanted == nodeCount * serving.gpus_per_node;
-          message = parallelismMessage;
-        }
       ]
-      # One assertion per problem, each naming its rank or node.
-      ++ map (r: {
-        assertion = false;
-        message = "services.dspark.settings.nodes: rank ${toString r} has no node; ranks run 0..${toString (nodeCount - 1)} without a gap (rank 0 is the head), one per node; got ${rankList ranks}.";
-      }) missingRanks
-      ++ map (r: {
-        assertion = false;
-        message = "services.dspark.settings.nodes: rank ${toString r} is given to more than one node (${lib.concatStringsSep ", " (map (n: n.name) (lib.filter (n: n.rank == r) nodes))}); ranks must be unique.";
-      }) (duplicates ranks)
-      ++ map (n: {
-        assertion = false;
-        message = "services.dspark.settings.nodes: ${if n.rank == 0 then "the head" else "worker"} \"${n.name}\" (rank ${toString n.rank}) has no address; set its fabric address (every node reads the whole file, and the head reaches each worker's agent there).";
-      }) (lib.filter (n: n.address == null) nodes)
       ++ [
-        {
-          assertion = cfg.settings.model.path != null;
-          message = "services.dspark.settings.model.path is not set: give the model directory (the same path on every node).";
-        }
         {
           # (A runtime_line missing from `lines` leaves no command either: that assertion says why.)
           assertion = cfg.settings.serving.vllm_command != [ ] || !lineKnown;

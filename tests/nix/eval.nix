@@ -42,17 +42,29 @@ in
   inherit (config) warnings;
   services = lib.mapAttrs (_: s: {
     inherit (s) wantedBy environment serviceConfig;
-    restartTriggers = map (t: t.generatedFile or t) s.restartTriggers;
+    restartTriggers = map (t: t.runCommandName or t.generatedFile or t) s.restartTriggers;
   }) (enabled config.systemd.services);
   # What each trigger holds (the stand-in's generate keeps the file's data): a unit restarts on a
   # switch when this changes, as the store path of the file written from it then does.
-  restartTriggerValues = lib.mapAttrs (_: s: map (t: t.value or t) s.restartTriggers) (enabled config.systemd.services);
+  restartTriggerValues = lib.mapAttrs (_: s: map (t: (t.unchecked or t).value or t) s.restartTriggers) (enabled config.systemd.services);
   runtimePackage = if config.services.dspark.runtimePackage == null then null else config.services.dspark.runtimePackage.name;
   targets = lib.attrNames (enabled config.systemd.targets);
   # Units set to enable = false: NixOS links them to /dev/null, masking the package's unit file.
   masked = lib.sort lib.lessThan (disabled "service" config.systemd.services ++ disabled "target" config.systemd.targets);
   packages = map (p: p.name) config.systemd.packages;
-  etc = lib.mapAttrs (_: e: e.source) config.environment.etc;
+  # A file built by a step (runCommand): what it is built from, and the step.
+  # (outPath dropped: JSON would show a store-path-shaped attribute set as that path alone).
+  etc = lib.mapAttrs (
+    _: e:
+    let
+      s = e.source.unchecked or e.source;
+    in
+    if lib.isAttrs s then removeAttrs s [ "outPath" ] else s
+  ) config.environment.etc;
+  builtBy = lib.mapAttrs (_: e: {
+    inherit (e.source) runCommandName buildCommand nativeBuildInputs;
+    input = e.source.unchecked.outPath;
+  }) (lib.filterAttrs (_: e: e.source ? buildCommand) config.environment.etc);
   firewall = { inherit (config.networking.firewall) allowedTCPPorts trustedInterfaces; };
   users = config.users;
 }

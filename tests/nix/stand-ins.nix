@@ -1,5 +1,5 @@
-# Small stand-ins for the NixOS options services.dspark sets, and for the one pkgs function it
-# calls (formats.toml), so the module can be evaluated with nixpkgs.lib alone. They declare only
+# Small stand-ins for the NixOS options services.dspark sets, and for the pkgs functions it
+# calls (formats.toml, runCommand), so the module can be evaluated with nixpkgs.lib alone. They declare only
 # the shape the module relies on; the real declarations live in nixpkgs' nixos/ tree.
 { lib }:
 let
@@ -28,8 +28,20 @@ let
     generate = name: value: {
       generatedFile = name;
       inherit value;
+      outPath = "/nix/store/00000000000000000000000000000000-${name}";
     };
   };
+  # runCommand's build step, kept as text with its inputs (tests/nix/test_module_cluster_check.py
+  # runs it on the file the stand-in generate keeps); passthru is merged in as nixpkgs does.
+  pkgs.runCommand =
+    name: env: buildCommand:
+    (env.passthru or { })
+    // {
+      runCommandName = name;
+      inherit buildCommand;
+      nativeBuildInputs = map (p: p.name) (env.nativeBuildInputs or [ ]);
+      outPath = "/nix/store/00000000000000000000000000000000-${name}";
+    };
   unit = types.submodule {
     options = {
       # NixOS: false makes the unit a symlink to /dev/null (masked), also over a unit of the same

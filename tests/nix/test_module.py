@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -267,45 +269,6 @@ def test_assertion_unknown_node(evaluate):
     assert 'node = "spark-c" is not a node' in msg and "known: spark-a, spark-b" in msg
 
 
-@pytest.mark.parametrize("cluster,rank", [("pair", 1), ("ring", 2)])
-def test_assertion_a_worker_without_an_address(evaluate, cluster, rank):
-    s = settings() if cluster == "pair" else ring()
-    hosts = [n["name"] for n in s["nodes"]]
-    del s["nodes"][rank]["address"]
-    for node in hosts:  # every node reads the whole file: refused on each host
-        msgs = failed(evaluate, host(node, settings=s))
-        assert msgs == [f'services.dspark.settings.nodes: worker "{hosts[rank]}" (rank {rank}) has no address; '
-                        "set its fabric address (every node reads the whole file, and the head reaches each "
-                        "worker's agent there)."], node
-
-
-@pytest.mark.parametrize("cluster,node,rank,missing,got,twice", [
-    ("pair", 1, 0, 1, "0, 0", "spark-a, spark-b"),         # the worker given the head's rank
-    ("ring", 3, 2, 3, "0, 1, 2, 2", "spark-c, spark-d"),   # two workers of the ring with one rank
-])
-def test_assertion_a_rank_given_twice_leaves_one_without_a_node(evaluate, cluster, node, rank, missing, got, twice):
-    s = settings() if cluster == "pair" else ring()
-    last = len(s["nodes"]) - 1
-    s["nodes"][node]["rank"] = rank
-    msgs = failed(evaluate, host(s["nodes"][node]["name"] if cluster == "pair" else "spark-a", settings=s))
-    assert sorted(msgs) == sorted([
-        f"services.dspark.settings.nodes: rank {missing} has no node; ranks run 0..{last} without a gap "
-        f"(rank 0 is the head), one per node; got {got}.",
-        f"services.dspark.settings.nodes: rank {rank} is given to more than one node ({twice}); "
-        "ranks must be unique."])
-
-
-def test_assertion_duplicate_names(evaluate):
-    s = settings()
-    s["nodes"][1]["name"] = "spark-a"
-    assert any("spark-a are used more than once" in m for m in failed(evaluate, host("spark-a", settings=s)))
-
-
-def test_assertion_no_model_path(evaluate):
-    (msg,) = failed(evaluate, host("spark-a", settings=settings(model={})))
-    assert "settings.model.path is not set" in msg
-
-
 def test_assertion_no_nodes(evaluate):
     (msg,) = failed(evaluate, host("spark-a", settings=settings(nodes=[])))
     assert "settings.nodes is empty" in msg
@@ -376,44 +339,6 @@ def test_parallelism_defaults_are_those_of_the_cluster_file_schema(evaluate):
         assert data["serving"][key] == defaults[key], key
 
 
-def test_assertion_a_rank_with_no_node(evaluate):
-    s = ring()
-    s["nodes"][2]["rank"] = 4  # spark-c: ranks 0, 1, 4, 3
-    for node in ("spark-a", "spark-d"):
-        msgs = failed(evaluate, host(node, settings=s))
-        assert msgs == ["services.dspark.settings.nodes: rank 2 has no node; ranks run 0..3 without a gap "
-                        "(rank 0 is the head), one per node; got 0, 1, 4, 3."], node
-
-
-def test_assertion_a_ring_with_two_nodes_missing(evaluate):
-    s = without(ring(), "spark-c", "spark-d")
-    msgs = failed(evaluate, host("spark-a", settings=s))
-    assert msgs == ["services.dspark.settings.nodes: 2 nodes missing: tensor_parallel_size 4 x "
-                    "pipeline_parallel_size 1 = 4 GPUs need 4 nodes of gpus_per_node = 1, and settings.nodes has 2; "
-                    "add the nodes of rank 2, 3 (or lower tensor_parallel_size)."]
-    data = evaluate(host("spark-a", settings=s))["etc"]["dspark/cluster.toml"]["value"]
-    with pytest.raises(dspark_config.ConfigError, match="tensor_parallel_size"):
-        dspark_config.from_dict(data, "cluster.toml")  # what dspark itself would refuse on start
-
-
-def test_assertion_one_node_missing_is_one_node(evaluate):
-    s = without(ring(), "spark-d")
-    (msg,) = failed(evaluate, host("spark-b", settings=s))
-    assert msg.startswith("services.dspark.settings.nodes: 1 node missing: ") and "add the nodes of rank 3 " in msg
-
-
-def test_assertion_nodes_too_many(evaluate):
-    (msg,) = failed(evaluate, host("spark-d", settings=ring(tensor_parallel_size=2)))
-    assert msg.startswith("services.dspark.settings.nodes: 2 nodes too many: tensor_parallel_size 2 x "
-                          "pipeline_parallel_size 1 = 2 GPUs need 2 nodes")
-    assert "remove the nodes of rank 2, 3" in msg
-
-
-def test_assertion_parallelism_not_a_whole_number_of_nodes(evaluate):
-    (msg,) = failed(evaluate, host("spark-a", settings=ring(gpus_per_node=3)))
-    assert "= 4 GPUs, which is not a whole number of nodes of gpus_per_node = 3" in msg
-
-
 
 
 
@@ -452,3 +377,84 @@ def test_the_rendered_units_with_the_module_dropin_read_back_by_systemd(evaluate
     said = [line for line in (r.stdout + r.stderr).splitlines()
             if f"{unit}.service" in line and "plymouth" not in line]
     assert not [s for s in said if "Invalid syntax" in s or "Unknown key" in s or "ignoring" in s], said
+
+
+# ------------------------------------------------------------------ the cluster file's own rules
+# The module restates none of them: /etc/dspark/cluster.toml is built by a step that runs the
+# package's `dspark config check` on the generated file (modules/dspark.nix, clusterFile). The
+# step is run here as the stand-in keeps it: its script, on the file the module generates
+# (written with dspark's TOML writer in place of nixpkgs' formats.toml), with this checkout's
+# dspark as the package on PATH, under `set -eu -o pipefail` as stdenv runs a build.
+
+
+def build_cluster_file(evaluate, host_nix: str, tmp_path) -> subprocess.CompletedProcess:
+    out = evaluate(host_nix)
+    assert out["failedAssertions"] == [], out["failedAssertions"]  # evaluation lets it through
+    step = out["builtBy"]["dspark/cluster.toml"]
+    assert step["runCommandName"] == "cluster.toml" and step["nativeBuildInputs"] == ["dspark-0.1.0"]
+    generated = tmp_path / "cluster-unchecked.toml"
+    generated.write_text(dspark_config.dumps(out["etc"]["dspark/cluster.toml"]["value"]))
+    script = step["buildCommand"].replace(step["input"], str(generated))
+    assert step["input"] not in script and str(generated) in script
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/homeless-shelter",
+           "out": str(tmp_path / "out"), "LANG": "C.UTF-8"}
+    r = subprocess.run(["bash", "-eu", "-o", "pipefail", "-c", script], capture_output=True, text=True,
+                       timeout=120, env=env)
+    if r.returncode == 0:
+        assert (tmp_path / "out").read_text() == generated.read_text()
+    else:
+        assert not (tmp_path / "out").exists() and "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def test_the_cluster_file_is_built_through_dspark_config_check(evaluate, tmp_path):
+    r = build_cluster_file(evaluate, host("spark-a"), tmp_path)
+    assert r.returncode == 0 and "OK: 2 nodes: spark-a (rank 0, 192.168.100.10)" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("cluster,rank", [("pair", 1), ("ring", 2)])
+def test_a_worker_without_an_address_fails_the_build(evaluate, tmp_path, cluster, rank):
+    s = settings() if cluster == "pair" else ring()
+    del s["nodes"][rank]["address"]
+    r = build_cluster_file(evaluate, host("spark-a", settings=s), tmp_path)
+    assert r.returncode == 2 and f"nodes[{rank}].address: missing" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("cluster,node,rank,twice", [("pair", 1, 0, "spark-a, spark-b"),
+                                                    ("ring", 3, 2, "spark-c, spark-d")])
+def test_a_rank_given_twice_fails_the_build(evaluate, tmp_path, cluster, node, rank, twice):
+    s = settings() if cluster == "pair" else ring()
+    s["nodes"][node]["rank"] = rank
+    r = build_cluster_file(evaluate, host("spark-a", settings=s), tmp_path)
+    assert r.returncode == 2 and f"rank {rank} is given to more than one node ({twice})" in r.stderr, r.stderr
+
+
+def test_a_rank_with_no_node_fails_the_build(evaluate, tmp_path):
+    s = ring()
+    s["nodes"][2]["rank"] = 4  # spark-c: ranks 0, 1, 4, 3
+    r = build_cluster_file(evaluate, host("spark-d", settings=s), tmp_path)
+    assert r.returncode == 2 and "ranks must be 0..3 (one per node), got [0, 1, 3, 4]" in r.stderr, r.stderr
+
+
+def test_duplicate_names_fail_the_build(evaluate, tmp_path):
+    s = settings()
+    s["nodes"][1]["name"] = "spark-a"
+    r = build_cluster_file(evaluate, host("spark-a", settings=s), tmp_path)
+    assert r.returncode == 2 and "the name 'spark-a' is used by more than one node" in r.stderr, r.stderr
+
+
+def test_no_model_path_fails_the_build(evaluate, tmp_path):
+    r = build_cluster_file(evaluate, host("spark-a", settings=settings(model={})), tmp_path)
+    assert r.returncode == 2 and "model.path: missing" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("serving,gone,says", [
+    ({}, ("spark-c", "spark-d"), "4 x pipeline_parallel_size 1 must equal nodes (2) x gpus_per_node (1) = 2"),
+    ({}, ("spark-d",), "4 x pipeline_parallel_size 1 must equal nodes (3) x gpus_per_node (1) = 3"),
+    ({"tensor_parallel_size": 2}, (), "2 x pipeline_parallel_size 1 must equal nodes (4) x gpus_per_node (1) = 4"),
+    ({"gpus_per_node": 3}, (), "4 x pipeline_parallel_size 1 must equal nodes (4) x gpus_per_node (3) = 12"),
+])
+def test_a_parallelism_the_nodes_cannot_give_fails_the_build(evaluate, tmp_path, serving, gone, says):
+    s = without(ring(**serving), *gone)
+    r = build_cluster_file(evaluate, host("spark-a", settings=s), tmp_path)
+    assert r.returncode == 2 and f"serving.tensor_parallel_size: {says}" in r.stderr, r.stderr
