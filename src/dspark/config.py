@@ -17,7 +17,6 @@ import math
 import os
 import re
 import tomllib
-import types
 import typing
 import unicodedata
 from pathlib import Path
@@ -30,38 +29,7 @@ from .config_schema import (  # noqa: F401 (re-exported: the names callers use)
 )
 from .config_template import dumps, template  # noqa: F401 (re-exported)
 from .config_toml import drop_none, toml_key, toml_value, toml_value_or_repr
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    if origin is list:
-        return "a list of whole numbers" if typing.get_args(tp) == (int,) else "a list of strings"
-    if origin is dict or tp is dict:
-        return "a table"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
-
-
-def _check_type(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        return any(_check_type(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if origin is list:
-        item = int if typing.get_args(tp) == (int,) else str
-        return isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in value)
-    if origin is dict:
-        inner = typing.get_args(tp)[1] if len(typing.get_args(tp)) == 2 else str
-        return isinstance(value, dict) and all(isinstance(k, str) and _check_type(v, inner) for k, v in value.items())
-    if tp is dict:
-        return isinstance(value, dict)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, tp)
+from .typecheck import fits, words
 
 
 def _node_examples(i: int) -> dict[str, Any]:
@@ -90,9 +58,9 @@ def _build(cls: type, table: Any, where: str, problems: list[str], examples: dic
             continue
         f = fields[key]
         example = (examples or {}).get(key, f.metadata.get("example"))
-        if not _check_type(value, hints[key]):
+        if not fits(value, hints[key]):
             got = toml_value_or_repr(value)
-            problems.append(f"{where}.{key}: expected {_type_name(hints[key])}, got {got}; "
+            problems.append(f"{where}.{key}: expected {words(hints[key])}, got {got}; "
                             f"write e.g. {key} = {toml_value(example)}")
             continue
         if _has_nul(value):

@@ -157,6 +157,19 @@ def test_compare_refuses_wrongly_typed_reports(tmp_path, path, value):
     assert "nan%" not in r.stdout
 
 
+@pytest.mark.parametrize("path, value, says", [
+    (("summary", 0, "ttft_s"), float("nan"), "ttft_s = NaN is not a finite number or null"),
+    (("summary", 0, "length"), True, "length = true is not an integer"),
+    (("planned_prompts",), [1, 2], "planned_prompts = [1, 2] is not a list of strings"),
+    (("server",), [1], "server = [1] is not an object"),
+])
+def test_a_wrongly_typed_field_is_named_with_its_json_type(tmp_path, path, value, says):
+    """The report checker (dspark.typecheck, shared with the cluster file) speaks JSON here."""
+    pa, pb = _pair(tmp_path, _set(path, value))
+    r = invoke_dspark("bench", "compare", str(pa), str(pb))
+    assert r.returncode == 2 and f"malformed report: {says}" in r.stderr, r.stderr
+
+
 def test_compare_labels_cannot_inject_markdown(tmp_path):
     pa, pb = _pair(tmp_path, _set(("label",), "x | evil |\n# heading [link](http://e) <img src=x>"))
     r = invoke_dspark("bench", "compare", str(pa), str(pb))

@@ -16,7 +16,6 @@ import math
 import os
 import re
 import socket
-import types
 import typing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..typecheck import fits, words
 
 SCHEMA = "dspark.bench.report"
 SCHEMA_VERSION = 1
@@ -200,29 +200,6 @@ class Report:
         return cls.from_dict(data, source=str(path))
 
 
-def _fits(value: Any, tp: Any) -> bool:
-    """Whether a JSON value fits a field's declared type (numbers finite, bools not numbers)."""
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        return any(_fits(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if tp is Any:
-        return True
-    if origin is list or tp is list:
-        args = typing.get_args(tp)
-        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
-    if origin is dict or tp is dict:
-        return isinstance(value, dict)
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, tp)
-
-
 def _typed(cls: type, data: Any, where: str, skip: tuple[str, ...] = ()):
     if not isinstance(data, dict):
         raise ReportError(f"{where}: expected a JSON object, got {type(data).__name__}")
@@ -236,22 +213,11 @@ def _typed(cls: type, data: Any, where: str, skip: tuple[str, ...] = ()):
                 raise ReportError(f"{where}: malformed report: {f.name} is missing")
             continue
         value = data[f.name]
-        if not _fits(value, hints[f.name]):
+        if not fits(value, hints[f.name], finite=True):
             raise ReportError(f"{where}: malformed report: {f.name} = {json.dumps(value)[:60]} is not "
-                              f"{_type_words(hints[f.name])}")
+                              f"{words(hints[f.name], json=True)}")
         kwargs[f.name] = value
     return cls(**kwargs) if not skip else kwargs
-
-
-def _type_words(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        return " or ".join(_type_words(a) for a in typing.get_args(tp))
-    if origin is list or tp is list:
-        args = typing.get_args(tp)
-        return f"a list of {_type_words(args[0])}" if args else "a list"
-    return {type(None): "null", bool: "true or false", int: "a whole number", float: "a finite number",
-            str: "a string", dict: "an object"}.get(tp, str(tp))
 
 
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~])")
