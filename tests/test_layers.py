@@ -140,7 +140,7 @@ def test_one_fail_helper():
 
 
 COMMAND_MODULES = {"dspark.units_cli", "dspark.bench.cli", "dspark.dashboard.cli", "dspark.preflight.cli",
-                   "dspark.switch_cli"}
+                   "dspark.switch_cli", "dspark.local_cli"}
 
 
 def test_no_module_imports_a_command_module():

@@ -10,14 +10,15 @@ it keeps its traceback."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
 EXIT_USAGE = 2  # bad input or config: the same code click gives a usage error
 
 
-def fail(message: str, code: int = EXIT_USAGE) -> "click.exceptions.Exit":
-    """Print `message` (red, stderr) and end the command with `code`."""
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """Print `message` (red, stderr) and end the command with `code` (raises click.exceptions.Exit)."""
     click.secho(message, fg="red", err=True)
     raise click.exceptions.Exit(code)
 

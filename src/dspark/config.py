@@ -194,8 +194,8 @@ def check(c: Cluster) -> list[str]:
         by_rank.setdefault(n.rank, []).append(n.name)
     for dup in sorted(k for k, v in names.items() if v > 1):
         p.append(f"nodes: the name {dup!r} is used by more than one node; give each node its own name")
-    for dup in sorted(r for r, who in by_rank.items() if len(who) > 1):
-        p.append(f"nodes: rank {dup} is given to more than one node ({', '.join(by_rank[dup])}); ranks must be unique")
+    for rank in sorted(r for r, who in by_rank.items() if len(who) > 1):
+        p.append(f"nodes: rank {rank} is given to more than one node ({', '.join(by_rank[rank])}); ranks must be unique")
     if sorted(by_rank) != list(range(len(c.nodes))):
         ranks = sorted(n.rank for n in c.nodes)
         shown = ", ".join(map(str, ranks[:20])) + (", ..." if len(ranks) > 20 else "")
@@ -343,11 +343,11 @@ def _check_command_line(c: Cluster) -> list[str]:
             p.append(f"{where}: an argument of {len(long[0])} characters, longer than {MAX_ARG_CHARS}; vLLM's "
                      "options and paths are shorter")
     for arg in s.extra_args:
-        flag = owned_flag(arg)
-        if flag:
+        owned = owned_flag(arg)
+        if owned:
             shown = arg.split("=", 1)[0]
-            p.append(f"serving.extra_args: {shown} sets {flag}, which dspark writes itself from "
-                     f"{DSPARK_FLAGS[flag]}; set that instead and remove {shown} from extra_args")
+            p.append(f"serving.extra_args: {shown} sets {owned}, which dspark writes itself from "
+                     f"{DSPARK_FLAGS[owned]}; set that instead and remove {shown} from extra_args")
     if s.speculative_config is not None:
         for where in secret_keys(s.speculative_config, "serving.speculative_config"):
             p.append(f"{where}: a secret does not belong in the cluster file nor on vLLM's command line "
@@ -525,6 +525,6 @@ def load(path: str | os.PathLike | None = None) -> Cluster:
 
 
 def to_dict(c: Cluster) -> dict:
-    out = {name: dataclasses.asdict(getattr(c, name)) for name in SECTIONS}
+    out: dict[str, Any] = {name: dataclasses.asdict(getattr(c, name)) for name in SECTIONS}
     out["nodes"] = [dataclasses.asdict(n) for n in c.nodes]
     return drop_none(out)

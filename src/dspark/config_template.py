@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+from collections.abc import Mapping
 from typing import Any
 
 from .config_schema import NOT_SET, PLACEHOLDER, SECTIONS, NodeConfig, ServingConfig, SupervisorConfig
@@ -19,11 +20,11 @@ def dumps(data: dict, comments: bool = False, derived: dict[str, dict[str, Any]]
     classes = dict(SECTIONS, nodes=NodeConfig)
 
     def table(cls: type, values: dict, unset: dict[str, Any] | None = None) -> None:
-        meta = {f.name: f.metadata for f in dataclasses.fields(cls)}
+        meta: dict[str, Mapping[str, Any]] = {f.name: f.metadata for f in dataclasses.fields(cls)}
         for key, value in [*values.items(), *(unset or {}).items()]:
-            if comments and meta.get(key, {}).get("help"):
+            if comments and (meta.get(key) or {}).get("help"):
                 lines.append(f"# {meta[key]['help']}")
-            if comments and meta.get(key, {}).get("source"):
+            if comments and (meta.get(key) or {}).get("source"):
                 lines.extend(textwrap.wrap(f"Source: {meta[key]['source']}", 96, initial_indent="# ",
                                            subsequent_indent="#   ", break_on_hyphens=False))
             line = f"{toml_key(key)} = {toml_value(value)}"

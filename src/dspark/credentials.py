@@ -12,6 +12,7 @@ systemd, and `dspark serve` refuses to start with the file's name (`api_key_refu
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from .safe_read import MAX_SECRET_BYTES, read_text
@@ -25,7 +26,7 @@ API_KEY_FILE_ENV = "DSPARK_API_KEY_FILE"
 NO_KEY_FILE = "dspark:no-key-file"
 
 
-def _credential(env) -> str | None:
+def _credential(env: Mapping[str, str]) -> str | None:
     """The text of $CREDENTIALS_DIRECTORY/api-key (stripped), or None where there is none."""
     cred_dir = env.get("CREDENTIALS_DIRECTORY")
     if not cred_dir:
@@ -37,7 +38,7 @@ def _credential(env) -> str | None:
         return None
 
 
-def read_api_key(env: dict[str, str] | None = None) -> str | None:
+def read_api_key(env: Mapping[str, str] | None = None) -> str | None:
     """The API key from systemd's credentials directory or the environment, or None."""
     env = os.environ if env is None else env
     key = _credential(env)
@@ -49,7 +50,7 @@ def read_api_key(env: dict[str, str] | None = None) -> str | None:
     return None
 
 
-def api_key_refusal(env: dict[str, str] | None = None) -> str | None:
+def api_key_refusal(env: Mapping[str, str] | None = None) -> str | None:
     """Why the head must not start, in one line, when it was configured with a key file
     (DSPARK_API_KEY_FILE) that gave no key; None when there is none or it gave one. Serving
     the API without the key it was configured with would open it to anyone who reaches it."""

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 HWMON = Path("/sys/class/hwmon")
 
-EMPTY_GPU = {"name": None, "temperature_c": None, "power_w": None, "utilization_pct": None}
+EMPTY_GPU: dict[str, str | float | None] = {
+    "name": None, "temperature_c": None, "power_w": None, "utilization_pct": None}
 
 
 def nvme_temperature_c(root: Path = HWMON) -> float | None:
@@ -37,7 +39,7 @@ class Gpu:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._nvml = None
+        self._nvml: Any = None  # the pynvml module once initialised (optional import, untyped)
         self._handles: list | None = None  # None: not tried yet; []: no GPU / no NVML
 
     def _init(self) -> None:

@@ -22,9 +22,12 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from .safe_read import MAX_JSON_DEPTH, JSONRefused, parse_json as _parse_json
+
+if TYPE_CHECKING:  # annotations only: at run time httpx is imported where it is used
+    import httpx
 
 __all__ = ["HTTPFailure", "JSONRefused", "MAX_BODY_BYTES", "MAX_STATE_BYTES", "Response", "Stream", "get_json",
            "get_object", "parse_json", "request", "stream"]
@@ -112,7 +115,7 @@ class Stream:
 
     url: str
     status: int
-    _resp: object
+    _resp: httpx.Response
     _deadline: float
 
     def _chunks(self) -> Iterator[bytes]:

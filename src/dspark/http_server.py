@@ -30,6 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import cast
 
 SOCKET_TIMEOUT_S = 10.0  # a whole request, from the accept: its head, its body, the answer's writes
 MAX_CONNECTIONS = 32     # handler threads: requests whose head is complete
@@ -73,7 +74,8 @@ class _Connection:
     def makefile(self, mode: str = "r", buffering: int = -1):
         if "r" in mode:
             return io.BufferedReader(_Deadlined(self._sock, self._head, self._deadline))
-        return self._sock.makefile(mode, buffering)
+        # typeshed's overloads want a Literal mode; this passes on the caller's (a write mode)
+        return self._sock.makefile(mode, buffering)  # type: ignore[call-overload]
 
     def __getattr__(self, name):
         return getattr(self._sock, name)
@@ -197,7 +199,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
 
-        class OneRequest(handler):  # one request per connection: the next would escape the deadline
+        # one request per connection: the next would escape the deadline. mypy cannot check a class
+        # whose base is only known at run time (the handler class passed in).
+        class OneRequest(handler):  # type: ignore[valid-type,misc]
             def handle(self) -> None:
                 self.close_connection = True
                 self.handle_one_request()
@@ -217,7 +221,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         resolver leaves the host (or waits for the resolver's timeout) before the server starts."""
         socketserver.TCPServer.server_bind(self)
         host, port = self.server_address[:2]
-        self.server_name, self.server_port = host, port
+        self.server_name, self.server_port = cast(str, host), port  # an AF_INET/AF_INET6 name: str host
 
     def process_request(self, request, client_address) -> None:
         self._heads.add(request, client_address)  # no thread until its head is complete

@@ -19,6 +19,7 @@ the caller's clock: the supervisor feeds it readings and acts on its verdicts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from . import vllm_facts as F
 
@@ -40,9 +41,10 @@ class Progress:
     def busy(self) -> bool:
         return self.running + self.waiting > 0
 
-    def moved_since(self, prev: Progress | None) -> bool:
+    def moved_since(self, prev: Progress | None) -> TypeGuard[Progress]:
         """Whether the engine worked between `prev` and this reading: tokens counted or the KV
-        usage changed, on the same API server (a restart resets the counters: not progress)."""
+        usage changed, on the same API server (a restart resets the counters: not progress).
+        True only with a `prev` (a plain bool; the TypeGuard tells mypy that prev is not None then)."""
         return (prev is not None and prev.started == self.started and self.work >= prev.work
                 and (self.work > prev.work or self.kv_usage != prev.kv_usage))
 

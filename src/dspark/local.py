@@ -35,6 +35,7 @@ HEAD_NAME = "local-head"
 WORKER_NAME = "local-worker"  # rank 1; ranks 2.. are local-worker-2, local-worker-3, ...
 SERVED_NAME = "dspark-local"
 DEFAULT_NODES = 2
+DEFAULT_DIR = Path(".dspark/local")  # `local up --dir`, `local switch --dir`
 MAX_NODES = 8
 
 KV_CACHE_GIB = 1  # per rank; the CPU build takes it from VLLM_CPU_KVCACHE_SPACE

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 # A 2-layer Llama with random weights: enough to run the real engine, the real TP=2
 # collectives and the real HTTP API, small enough to start on two CPU cores. 4 attention
 # and 4 KV heads: tensor parallel 2 and 4 both divide them.
-TINY_MODEL = {
+TINY_MODEL: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 128,

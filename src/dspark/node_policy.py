@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
+from typing import cast
 
 from . import states as S
 from .agent_client import AgentAnswer, is_lost
-from .liveness import LivenessJudge
+from .liveness import LivenessJudge, Verdict
 from .probes import ReadyProbe, Round
 from .vllm_process import at_least, stage_detail
 
@@ -152,9 +153,9 @@ class NodePolicy:
         self.history_cleared = False
         self.waiting_since = 0.0
         self.workers_seen: dict[str, str] = {}
-        self.verdict = None   # the last liveness verdict and the probe behind it, for the agent
-        self.probe = None
-        self.failed_probe = None  # the last failed completion before ready
+        self.verdict: Verdict | None = None   # the last liveness verdict and the probe behind it, for the agent
+        self.probe: S.Liveness | None = None
+        self.failed_probe: S.Liveness | None = None  # the last failed completion before ready
         self.version: str | None = None  # vLLM's /version, read once ready
         self.drain_until = 0.0  # draining: vLLM is stopped if it has not exited by then
         self.drain_signal = ""
@@ -313,7 +314,9 @@ class NodePolicy:
             waiting = []
             for p in self.peers:
                 a = ev.peers.get(p.name)
-                self.workers_seen[p.name] = a.state.get("state") if a is not None and a.state else "unreachable"
+                # an answer's "state" is a str (fetch_state refuses any other)
+                self.workers_seen[p.name] = (cast(str, a.state.get("state")) if a is not None and a.state
+                                             else "unreachable")
                 theirs = (a.state or {}).get("runtime_line") if a is not None else None
                 if theirs and self.runtime_line and theirs != self.runtime_line:
                     self.workers_seen[p.name] = f"on line {theirs}"
@@ -342,7 +345,7 @@ class NodePolicy:
         for p in self.peers:
             a = answers.get(p.name)
             theirs = (a.state or {}).get("runtime_line") if a is not None else None
-            if self.file_line and (a.state or {}).get("file_line") == self.file_line:
+            if self.file_line and a is not None and (a.state or {}).get("file_line") == self.file_line:
                 continue  # the same cluster file: the worker follows this head onto its line
             if self.runtime_line and isinstance(theirs, str) and theirs and theirs != self.runtime_line:
                 return (f"refusing to form the pair on two runtime lines: {p.name} runs {theirs}, this head "
@@ -438,6 +441,7 @@ class NodePolicy:
         elif self.serving_since is None:
             self.serving_since = now
         if (self.track_history and not self.history_cleared and self.state == S.SERVING
+                and self.serving_since is not None  # always, while SERVING (set just above)
                 and now - self.serving_since >= BACKOFF_STABLE_S):
             self.history_cleared = True  # served long enough: the next failure restarts at once
             self.failures = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 
 # Variables that belong to the supervisor alone; vLLM (a child) must not see them, or it
 # could notify on the unit's behalf.
@@ -15,11 +16,11 @@ NOTIFY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
 class Notifier:
-    def __init__(self, address: str | None = None, env: dict[str, str] | None = None):
+    def __init__(self, address: str | None = None, env: Mapping[str, str] | None = None):
         env = os.environ if env is None else env
         address = address if address is not None else env.get("NOTIFY_SOCKET")
         self._sock: socket.socket | None = None
-        self._address: str | bytes | None = None
+        self._address: str | None = None  # set together with _sock
         if address:
             # A leading '@' names a socket in the abstract namespace.
             self._address = "\0" + address[1:] if address.startswith("@") else address
@@ -38,7 +39,7 @@ class Notifier:
 
     def send(self, **fields: object) -> bool:
         """Send KEY=value lines (keys upper-cased); False when not under systemd or it failed."""
-        if self._sock is None or not fields:
+        if self._sock is None or self._address is None or not fields:
             return False
         msg = "\n".join(f"{k.upper()}={_one_line(v)}" for k, v in fields.items())
         try:
@@ -76,7 +77,7 @@ def _one_line(value: object) -> str:
     return str(value).replace("\n", " ")
 
 
-def _watchdog_usec(env) -> int | None:
+def _watchdog_usec(env: Mapping[str, str]) -> int | None:
     usec = env.get("WATCHDOG_USEC")
     pid = env.get("WATCHDOG_PID")
     if not usec or (pid and pid != str(os.getpid())):

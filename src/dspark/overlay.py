@@ -310,9 +310,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m dspark.overla
             args.overlay_dir = DEFAULT_OVERLAY_DIR
         if args.command == "check":
             version = check_version(args.site_packages, series_vllm_version(args.overlay_dir))
-            applied = is_applied(args.site_packages, args.overlay_dir)
-            print(f"vLLM {version}: overlay {'applied' if applied else 'not applied'}")
-            return 0 if applied else EXIT_NOT_APPLIED
+            is_on = is_applied(args.site_packages, args.overlay_dir)
+            print(f"vLLM {version}: overlay {'applied' if is_on else 'not applied'}")
+            return 0 if is_on else EXIT_NOT_APPLIED
         applied = apply_series(args.site_packages, args.overlay_dir, dry_run=args.dry_run)
     except OverlayError as exc:
         print(f"dspark overlay: {exc}", file=sys.stderr)

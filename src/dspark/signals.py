@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import queue
 import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: nothing more to import at run time
+    from types import FrameType
+    from typing import Any, Callable
 
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 WAKE = 0  # not a signal: a background probe has finished, look now rather than at the next tick
@@ -21,7 +26,8 @@ WAKE = 0  # not a signal: a background probe has finished, look now rather than 
 class SignalQueue:
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._old: dict[int, object] = {}
+        # what signal.signal() returned: a handler, SIG_DFL / SIG_IGN (ints), or None (not set from Python)
+        self._old: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self.first: int | None = None  # the first signal received, kept after get() took it
 
     def install(self, signals=HANDLED) -> "SignalQueue":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from . import states as A
 from .agent_client import agent_state  # the one client of the agents (re-exported)
@@ -62,7 +62,7 @@ def collect(cluster: Cluster, token: str | None = None) -> dict:
                       "vllm_pid": (s or {}).get("vllm_pid"), "vllm_version": (s or {}).get("vllm_version"),
                       "restarts": (s or {}).get("restarts"), "uptime_s": (s or {}).get("uptime_s"),
                       "liveness": (s or {}).get("liveness")})
-    api = {"url": cluster.head.api_url, "health": None, "version": None}
+    api: dict[str, Any] = {"url": cluster.head.api_url, "health": None, "version": None}
     try:
         api["health"] = request(cluster.head.api_url + vllm_facts.HEALTH, timeout=2.0, token=token).status
         api["version"] = get_object(cluster.head.api_url + vllm_facts.VERSION, timeout=2.0, token=token).get("version")

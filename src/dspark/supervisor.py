@@ -193,23 +193,24 @@ class Supervisor:
             self.agent.stop()
             self.notify.close()
 
-    def _read_wanted(self) -> None:
+    def _read_wanted(self) -> line_state.LineState:
         """The head: the pair's line as its state file says (`dspark switch` writes it), re-read
         when the file changes; its switch record is served to the workers."""
         m = line_state.mtime(self.state_dir)
         if self._wanted is not None and m == self._line_mtime:
-            return
+            return self._wanted
         self._line_mtime = m
-        self._wanted = line_state.current(self.state_dir, self.file_line)
-        sw = self._wanted.switch
+        self._wanted = wanted = line_state.current(self.state_dir, self.file_line)
+        sw = wanted.switch
         with self._lock:
             self.state.line_switch = sw.to_json() if sw else None
+        return wanted
 
     def _events(self, sig: int | None) -> Events:
         ev = Events(signal=sig, vllm_exit=self.vllm.poll(), stage=self.vllm.stage)
         if self.node.is_head and self.state_dir is not None:
-            self._read_wanted()
-            ev.wanted_line, ev.switching = self._wanted.line, self._wanted.switch is not None
+            wanted = self._read_wanted()
+            ev.wanted_line, ev.switching = wanted.line, wanted.switch is not None
         running = set()
         for bg, attr in ((self._ready_probe, "ready_probe"), (self._round, "round"), (self._peers, "peers")):
             finished, result = bg.take()

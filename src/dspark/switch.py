@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 from . import line_state
 from . import states as S
@@ -84,15 +84,16 @@ def judge(before: list, after: list, min_band: float = MIN_BAND) -> Verdict:
     workload each time): each side's score is the mean of its runs' scores; the noise band is
     twice the largest relative deviation of any run from its side's mean (at least `min_band`);
     the new line regresses when its score is below the old line's by more than the band."""
-    scores = [score(r) for r in before]
-    if not scores or any(s is None for s in scores):
+    before_scores = [score(r) for r in before]
+    if not before_scores or any(s is None for s in before_scores):
         return Verdict(False, "the benchmark on the old line measured nothing")
+    scores = cast("list[float]", before_scores)  # none is None: checked just above
     mean = sum(scores) / len(scores)
     failed = next((r for r in after if r.error or score(r) is None), None)
     if not after or failed is not None:
         why = failed.error if failed is not None and failed.error else "nothing measured"
         return Verdict(False, f"the benchmark failed on the new line: {why}", mean, None, None, None)
-    news = [score(r) for r in after]
+    news = cast("list[float]", [score(r) for r in after])  # none is None: `failed` is None
     a = sum(news) / len(news)
     spread = max([abs(s / mean - 1) for s in scores] + [abs(s / a - 1) for s in news])
     band = max(min_band, 2 * spread)
@@ -248,6 +249,7 @@ class Switcher:
         from .bench.report import paths, to_markdown
 
         b = self.bench
+        assert b is not None  # run() benchmarks only with a bench (not --no-bench)
         out = self.state_dir / REPORTS / rec.id
         out.mkdir(parents=True, exist_ok=True)
         target = Target(url=self.cluster.head.api_url.rstrip("/"), model=self.cluster.model.served_name,

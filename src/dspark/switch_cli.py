@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from .cli_options import config_option
+from .local import DEFAULT_DIR as LOCAL_DIR
 
 
 def bench_options(f):
@@ -95,7 +96,7 @@ def switch(line, config_path, state_dir, history, no_bench, concurrency, input_l
 
 @click.command("switch")
 @click.argument("line", required=False)
-@click.option("--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".dspark/local"),
+@click.option("--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=LOCAL_DIR,
               show_default=True, help="The local appliance's directory (as given to local up).")
 @click.option("--history", is_flag=True, help="List the switches of the local appliance, and exit.")
 @bench_options

@@ -1,9 +1,11 @@
 """The systemd units' names and paths, declared once: the unit files, the service user, the
 drop-ins, the sysusers entry and the cache directories the units give vLLM. Read by the
 rendering (`unit_render`), the installing (`unit_install`), the host check (`preflight`) and
-the tests; it imports nothing of dspark."""
+the tests; of dspark it imports only the cluster file's default path."""
 
 from __future__ import annotations
+
+from .config_schema import DEFAULT_CONFIG_PATH
 
 HEAD = "dspark-head.service"
 WORKER = "dspark-worker.service"
@@ -14,7 +16,7 @@ DASHBOARD = "dspark-dashboard.service"
 UNIT_NAMES = (WORKER, WORKER_TEMPLATE, HEAD, READY_TARGET, WAIT_WORKER, DASHBOARD)
 
 USER = "dspark"
-DEFAULT_CONFIG = "/etc/dspark/cluster.toml"
+DEFAULT_CONFIG = str(DEFAULT_CONFIG_PATH)  # the cluster file the units name (config_schema's default)
 SYSTEM_UNIT_DIR = "etc/systemd/system"
 SYSUSERS_FILE = "etc/sysusers.d/dspark.conf"
 NODE_DROPIN = "50-dspark-node.conf"

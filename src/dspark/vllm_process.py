@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Callable, TextIO
 
 from . import vllm_facts
@@ -223,6 +224,7 @@ class VllmProcess:
 
     def _sweep(self) -> None:
         proc, reaper = self.proc, self.reaper
+        assert proc is not None  # called by poll() and stop() only, once they have seen a started process
         self._swept = True
         end_group(proc.pid, [p for p in (proc, reaper) if p is not None])
         if self._reaper_pipe is not None:
@@ -232,7 +234,7 @@ class VllmProcess:
 
 def group_members(pgid: int, proc: str = "/proc") -> list[int]:
     """The live (not zombie) processes of process group `pgid`."""
-    out = []
+    out: list[int] = []
     try:
         entries = os.listdir(proc)
     except OSError:
@@ -250,7 +252,7 @@ def group_members(pgid: int, proc: str = "/proc") -> list[int]:
     return out
 
 
-def end_group(pgid: int, children: list[subprocess.Popen] = (), gone_s: float = GROUP_GONE_S) -> list[int]:
+def end_group(pgid: int, children: Sequence[subprocess.Popen] = (), gone_s: float = GROUP_GONE_S) -> list[int]:
     """SIGKILL every process of group `pgid`, reap our `children` of it, and wait (up to
     `gone_s`) until none is left, so that its ports and memory are free. The one sweep of a
     vLLM run; returns what is still there after `gone_s` (nothing, unless a process is stuck

@@ -41,3 +41,29 @@ def test_compare_of_unreadable_files(tmp_path):
     (tmp_path / "a.json").write_text("[]")
     r = invoke_dspark("bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "missing.json"))
     assert r.returncode == 2 and "not a dspark bench report" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command, spec", [("decode", "DecodeSpec"), ("prefill", "PrefillSpec")])
+def test_the_options_defaults_are_the_specs(command, spec):
+    """Each default is stated once, on the spec the run takes: the options read it from there."""
+    import dataclasses
+
+    import click
+
+    from dspark.bench import cli as bench_cli
+    from dspark.bench import decode, prefill
+    from dspark.bench.client import Target
+
+    cls = getattr(decode if command == "decode" else prefill, spec)
+    options = [p for p in bench_cli.bench.commands[command].params if isinstance(p, click.Option)]
+    defaults = {p.name: p.default for p in options}
+    if command == "prefill":  # no fixed default: the spec's lengths that fit the server, named in the help
+        lengths = next(p for p in options if p.name == "lengths")
+        assert defaults.pop("lengths") is None and ",".join(f"{n // 1024}K" for n in cls().lengths) in lengths.help
+    for f in dataclasses.fields(cls):
+        if f.name in defaults:
+            want = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+            assert defaults[f.name] == want, f.name
+    assert {"seed", "label"} <= set(defaults) and (command == "prefill" or "rounds" in defaults)
+    timeout = next(f.default for f in dataclasses.fields(Target) if f.name == "timeout_s")
+    assert defaults["request_timeout"] == timeout

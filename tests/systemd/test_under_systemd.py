@@ -196,6 +196,28 @@ def test_wedged_worker_is_a_stall_and_the_pair_recovers_worker_first(app: Applia
           f"serving again {back + detected:.0f} s after the SIGSTOP")
 
 
+def test_journalctl_picks_out_by_priority_what_went_wrong(app: Appliance):
+    """dspark's lines reach the journal with their level (dspark.log's `<N>` prefix, which journald
+    reads and strips): after the faults above, `journalctl -p warning` shows the head's failures
+    (the killed worker, the stall) and none of its state changes or vLLM's own output; `-p notice` adds the state
+    changes; a line vLLM writes is info. Read in the container, from the units' own journal."""
+    def lines(*args: str) -> list[str]:
+        r = app.box.run("journalctl", "--no-pager", "-o", "cat", "-u", "dspark-head.service", *args, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    warnings = lines("-p", "warning")
+    assert any(x.startswith("dspark[") and ": failed: " in x for x in warnings), warnings[-30:]
+    assert not any("starting vLLM" in x or "serving: API on" in x for x in warnings), warnings[-30:]
+    notices = lines("-p", "notice")
+    assert any("serving: API on" in x for x in notices) and not any("starting vLLM" in x for x in notices)
+    records = [json.loads(x) for x in lines("-o", "json") if x.startswith("{")]
+    messages = [(r.get("MESSAGE"), r.get("PRIORITY")) for r in records if isinstance(r.get("MESSAGE"), str)]
+    assert not any(m.startswith(("<3>", "<4>", "<5>", "<6>")) for m, _ in messages)  # read and stripped
+    assert {p for m, p in messages if m.startswith("dspark[") and ": failed: " in m} == {"3"}
+    assert {p for m, p in messages if m.startswith("dspark[") and ": starting vLLM" in m} == {"6"}
+
+
 def _load(api_url: str, stop: threading.Event) -> None:
     """Long completions back to back until `stop` (bounded by it and by each request's timeout)."""
     body = json.dumps({"model": SERVED_NAME, "prompt": [1, 2, 3, 4], "max_tokens": 2000,

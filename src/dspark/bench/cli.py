@@ -9,11 +9,23 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from ..cli_common import fail
 from ..cli_options import config_option, parse_sizes  # noqa: F401 (parse_sizes: re-exported)
+from .client import Target
+from .decode import DecodeSpec
+from .prefill import PrefillSpec
+
+if TYPE_CHECKING:  # annotations only: what click.progressbar() returns
+    from click._termui_impl import ProgressBar
+
+# The options' defaults are the specs' own (one place): `bench decode --help` shows them. The
+# options both runs share (--seed, --label) have the same default in both specs.
+_DECODE, _PREFILL = DecodeSpec(), PrefillSpec()
+_REQUEST_TIMEOUT_S = next(f.default for f in dataclasses.fields(Target) if f.name == "timeout_s")
 
 DEFAULT_OUT = Path("bench-results")
 
@@ -22,7 +34,7 @@ class BarProgress:
     """The progress hook on the terminal (stderr, so stdout stays the report)."""
 
     def __init__(self) -> None:
-        self._bar = None
+        self._bar: ProgressBar[str | None] | None = None
 
     def begin(self, total: int, title: str) -> None:
         self._bar = click.progressbar(length=total, label=title, file=sys.stderr, show_pos=True,
@@ -91,15 +103,15 @@ def resolve_target(config_path: Path | None, url: str | None, model: str | None,
 def server_options(f):
     # applied bottom-up: the last one here is listed first in --help
     f = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary; errors only.")(f)
-    f = click.option("--request-timeout", type=float, default=600.0, show_default=True,
+    f = click.option("--request-timeout", type=float, default=_REQUEST_TIMEOUT_S, show_default=True,
                      help="Seconds one request may take, from sending it to the end of its stream.")(f)
     f = click.option("--shared-prefix-cache", is_flag=True,
                      help="Send no per-run cache salt: prompts an earlier run with the same seed sent come "
                           "from the server's prefix cache (reported as hits). By default every run salts its "
                           "requests (vLLM's cache_salt), so a rerun on the same server measures afresh.")(f)
-    f = click.option("--seed", type=int, default=0, show_default=True,
+    f = click.option("--seed", type=int, default=_DECODE.seed, show_default=True,
                      help="Prompt seed: runs with the same seed send identical prompts.")(f)
-    f = click.option("--label", default="run", show_default=True,
+    f = click.option("--label", default=_DECODE.label, show_default=True,
                      help="Name of this run (e.g. before, after); part of the file names.")(f)
     f = click.option("--out", "-o", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT,
                      show_default=True, help="Directory for the JSON report, Markdown summary and PNG plot.")(f)
@@ -179,9 +191,11 @@ def bench(ctx: click.Context) -> None:
 @bench.command("prefill")
 @server_options
 @click.option("--lengths", default=None,
-              help="Exact input lengths in tokens, comma-separated (K = 1024). Default: those of 1K,2K,4K,8K,16K,32K "
-                   "that fit the server's max_model_len (a length you give that does not fit is refused).")
-@click.option("--trials", type=int, default=3, show_default=True, help="Measured trials per length (medians).")
+              help="Exact input lengths in tokens, comma-separated (K = 1024). Default: those of "
+                   f"{','.join(f'{n // 1024}K' for n in _PREFILL.lengths)} that fit the server's max_model_len "
+                   "(a length you give that does not fit is refused).")
+@click.option("--trials", type=int, default=_PREFILL.trials, show_default=True,
+              help="Measured trials per length (medians).")
 def prefill_cmd(config_path, url, model, out_dir, label, seed, shared_prefix_cache, request_timeout, quiet, lengths,
                 trials) -> None:
     """Prefill speed at exact input lengths: client TTFT and input tok/s, server prefill tok/s.
@@ -205,13 +219,15 @@ def prefill_cmd(config_path, url, model, out_dir, label, seed, shared_prefix_cac
 
 @bench.command("decode")
 @server_options
-@click.option("--concurrency", default="1,2,4,8", show_default=True, help="Concurrent streams per level.")
-@click.option("--output-len", type=int, default=512, show_default=True,
+@click.option("--concurrency", default=",".join(map(str, _DECODE.concurrency)), show_default=True,
+              help="Concurrent streams per level.")
+@click.option("--output-len", type=int, default=_DECODE.output_len, show_default=True,
               help="Output tokens per request (exact: ignore_eos).")
-@click.option("--input-len", type=int, default=128, show_default=True, help="Prompt tokens per request.")
-@click.option("--rounds", type=int, default=4, show_default=True,
+@click.option("--input-len", type=int, default=_DECODE.input_len, show_default=True, help="Prompt tokens per request.")
+@click.option("--rounds", type=int, default=_DECODE.rounds, show_default=True,
               help="Requests per level = concurrency x rounds (at least 2 for the throughput's standard error).")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="Sampling temperature.")
+@click.option("--temperature", type=float, default=_DECODE.temperature, show_default=True,
+              help="Sampling temperature.")
 def decode_cmd(config_path, url, model, out_dir, label, seed, shared_prefix_cache, request_timeout, quiet, concurrency,
                output_len, input_len, rounds, temperature) -> None:
     """Decode speed over a concurrency sweep: aggregate and per-stream tok/s, TTFT and ITL

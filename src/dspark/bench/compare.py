@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Generic, TypeVar
 
-from .report import Report, fmt, md
+from .report import DecodeLevel, PrefillSummary, Report, fmt, md
 
 # Parameters that shape the workload; a difference in any of them makes figures incomparable.
 WORKLOAD_PARAMS = ("lengths", "trials", "seed", "max_tokens", "concurrency", "output_len", "input_len",
@@ -22,21 +22,24 @@ class CompareRefused(Exception):
     """The two reports did not measure the same workload."""
 
 
+S = TypeVar("S")  # the summary type a figure reads (PrefillSummary or DecodeLevel)
+
+
 @dataclass(frozen=True)
-class Figure:
+class Figure(Generic[S]):
     name: str
     unit: str
     higher_is_better: bool
-    get: Callable[[object], float | None]
+    get: Callable[[S], float | None]
     scale: float = 1.0
 
 
-PREFILL_FIGURES = (
+PREFILL_FIGURES: tuple[Figure[PrefillSummary], ...] = (
     Figure("TTFT median", "ms", False, lambda s: s.ttft_s, 1000.0),
     Figure("client input tok/s", "tok/s", True, lambda s: s.client_input_tok_s),
     Figure("server prefill tok/s", "tok/s", True, lambda s: s.server_prefill_tok_s),
 )
-DECODE_FIGURES = (
+DECODE_FIGURES: tuple[Figure[DecodeLevel], ...] = (
     Figure("aggregate tok/s", "tok/s", True, lambda s: s.aggregate_tok_s),
     Figure("per-stream decode tok/s (median)", "tok/s", True, lambda s: s.decode_tok_s_median),
     Figure("TTFT p50", "ms", False, lambda s: s.ttft_s_p50, 1000.0),
@@ -92,6 +95,7 @@ def _scaled(v: float | None, scale: float) -> float | None:
 def table(a: Report, b: Report) -> str:
     """The comparison as Markdown; raises CompareRefused for different workloads."""
     check_comparable(a, b)
+    figures: tuple[Figure[Any], ...]  # the summaries are PrefillSummary or DecodeLevel, as the kind says
     if a.kind == "prefill":
         key, what, figures = "length", "input tokens", PREFILL_FIGURES
     else:

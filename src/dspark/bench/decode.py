@@ -16,6 +16,7 @@ import math
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import cast
 
 from . import prompts, stats
 from .client import BenchError, ServerInfo, Target, describe, new_cache_salt, scrape, stream_completion
@@ -131,7 +132,7 @@ def summarize_level(concurrency: int, reqs: list[DecodeRequest], duration_s: flo
         preemptions=None if w is None else w.preemptions,
         spec_acceptance_rate=spec.acceptance_rate if spec else None,
         spec_mean_acceptance_length=spec.mean_acceptance_length if spec else None,
-        spec_drafts=spec.drafts if spec else None)
+        spec_drafts=cast(int, spec.drafts) if spec else None)  # a window's counters: spec_decode() makes them ints
 
 
 def run_level(target: Target, model: str, spec: DecodeSpec, concurrency: int, level_prompts, progress: Progress,

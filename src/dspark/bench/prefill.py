@@ -120,6 +120,7 @@ def judge(w: Window, expected_tokens: int) -> ServerPrefill:
         notes.append(f"{int(hits)} prompt tokens came from the prefix cache")
     tok_s = None
     if not overlap and not missing:
+        assert w.computed_tokens is not None  # not missing
         tok_s = stats.rate(w.computed_tokens, w.prefill_time_s)
     return ServerPrefill(requests=w.prefill_requests, prompt_tokens=w.prompt_tokens,
                          computed_tokens=w.computed_tokens, prefill_time_s=w.prefill_time_s,

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) of `values`; None for no values."""
+def percentile(values: Sequence[float | None], q: float) -> float | None:
+    """The q-th percentile (0..100) of `values` (None values left out); None for no values."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile must be within 0..100, not {q}")
     xs = sorted(v for v in values if v is not None and not math.isnan(v))
@@ -19,11 +20,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def median(values: list[float]) -> float | None:
+def median(values: Sequence[float | None]) -> float | None:
     return percentile(values, 50)
 
 
-def mean(values: list[float]) -> float | None:
+def mean(values: Sequence[float | None]) -> float | None:
     xs = [v for v in values if v is not None]
     return sum(xs) / len(xs) if xs else None
 

@@ -7,19 +7,22 @@ from pathlib import Path
 import click
 
 from ..cli_options import config_option
+from .collector import DEFAULT_INTERVAL_S
+from .server import DEFAULT_PORT
 
 
 @click.command("dashboard")
 @config_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --token-file.")
-@click.option("--port", default=8899, show_default=True, type=click.IntRange(0, 65535), help="Port to bind.")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535), help="Port to bind.")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="File holding the access token (mode 600). Default: the systemd credential "
                    "'dashboard-token' when the unit loads one.")
 @click.option("--node", default=None,
               help="The node this host is (its GPU and NVMe are read here). Default: $DSPARK_NODE, then the host name.")
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.2, 60), help="Seconds between polls.")
+@click.option("--interval", default=DEFAULT_INTERVAL_S, show_default=True, type=click.FloatRange(0.2, 60),
+              help="Seconds between polls.")
 def dashboard(config_path: Path | None, host: str, port: int, token_file: Path | None, node: str | None,
               interval: float) -> None:
     """Live web dashboard of the pair (read-only; one poller for every open page)."""

@@ -16,6 +16,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from .. import states as A
 from ..agent_client import AgentAnswer, fetch_state, is_lost  # noqa: F401 (AgentAnswer: re-exported)
@@ -33,6 +34,9 @@ SCHEMA_VERSION = 1
 # not answered for LOST_AFTER_S (host or network gone: timeouts, so allow a missed round).
 LOST_AFTER_S = 2.0
 VERSION_REFRESH_S = 30.0
+
+
+DEFAULT_INTERVAL_S = 1.0  # seconds between polls (`dspark dashboard --interval`)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ def _r(x: float | None, nd: int = 3) -> float | None:
 
 
 class Collector:
-    def __init__(self, targets: Targets, *, interval_s: float = 1.0, history_len: int = 300,
+    def __init__(self, targets: Targets, *, interval_s: float = DEFAULT_INTERVAL_S, history_len: int = 300,
                  window_s: float = 60.0, api_token: str | None = None, gpu: hardware.Gpu | None = None,
                  hwmon: Path = hardware.HWMON, timeout_s: float | None = None):
         self.targets = targets
@@ -241,13 +245,13 @@ class Collector:
         """Which runtime line the pair runs (the head's), which nodes run another one (marked in
         their card), and the switch under way that the head's agent reports (dspark switch)."""
         head = next((i for i, t in enumerate(self.targets.nodes) if t.role == "head"), None)
-        held = head is not None and answers[head] is not None
-        head_line = _line(answers[head].get("runtime_line")) if held else None
+        head_answer = answers[head] if head is not None else None
+        head_line = _line(head_answer.get("runtime_line")) if head_answer is not None else None
         for n, a in zip(nodes, answers):
             theirs = _line(a.get("runtime_line")) if a is not None else None
             n["other_line"] = n["role"] != "head" and None not in (head_line, theirs) and theirs != head_line
         return {"head": head_line, "mixed": any(n["other_line"] for n in nodes),
-                "switch": _switch(answers[head].get("line_switch")) if held else None}
+                "switch": _switch(head_answer.get("line_switch")) if head_answer is not None else None}
 
     def _render(self, now: float, scrape: Scrape | None, error: str | None, agents: dict) -> dict:
         iv = self._last_interval
@@ -352,7 +356,7 @@ def _switch(sw) -> dict | None:
         return None
     at = sw.get("at")
     known = isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at)
-    age = time.time() - at if known else None
+    age = time.time() - cast(float, at) if known else None
     sid = sw.get("id")
     return {"id": sid if isinstance(sid, str) else "", "from": sw["from"], "to": sw["to"],
             "rollback": sw.get("rollback") is True, "at": at if age is not None else None,

@@ -8,6 +8,7 @@ Prometheus' rate() does). A rate is therefore never negative.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .. import vllm_facts as F
 from ..vllm_metrics import Histogram, Scrape, SpecDecode, spec_decode_of
@@ -161,6 +162,7 @@ def quantile_range(q: float, h: Histogram) -> QuantileRange | None:
     n = sum(c for _, _, c in buckets)
     if n <= 0:
         return None
+    total: float | None
     total = max(0.0, h.sum)
     least, most = _weight(buckets, 0), _weight(buckets, 1)
     if not least - 1e-9 <= total <= most + 1e-9:  # a sum that does not fit its buckets narrows nothing
@@ -188,8 +190,8 @@ def latency(old: Scrape | None, cur: Scrape, name: str) -> dict:
     put above the mean unless its whole range is: where the range allows both, the mean is the
     estimate (latencies skew right: their median lies at or below their mean)."""
     h = cur.histograms.get(name)
-    out = {"window_mean": None, "p50": None, "p95": None, "lifetime_mean": None, "count": 0,
-           "p50_range": None, "p95_range": None, "p50_bucket": None, "p95_bucket": None}
+    out: dict[str, Any] = {"window_mean": None, "p50": None, "p95": None, "lifetime_mean": None, "count": 0,
+                           "p50_range": None, "p95_range": None, "p50_bucket": None, "p95_bucket": None}
     if h is None:
         return out
     if h.count > 0:

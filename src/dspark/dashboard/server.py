@@ -22,6 +22,7 @@ import re
 import signal
 import stat
 import threading
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from pathlib import Path
@@ -79,7 +80,7 @@ def load_token(path: Path) -> str:
     return token
 
 
-def default_token_file(env: dict[str, str] | None = None) -> Path | None:
+def default_token_file(env: Mapping[str, str] | None = None) -> Path | None:
     """systemd's credential (LoadCredential=dashboard-token:...) when the unit provides one."""
     env = os.environ if env is None else env
     cred = env.get("CREDENTIALS_DIRECTORY")

@@ -10,7 +10,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, cast
 
 from ..safe_read import MAX_MODEL_CONFIG_BYTES, JSONRefused, open_regular, parse_json, read_at_most, read_json
 
@@ -29,7 +29,8 @@ def serving_default(name: str):
     if fields is not None:
         return fields[name].get_default(call_default_factory=True)
     f = {f.name: f for f in dataclasses.fields(ServingConfig)}[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    # no default: then a default_factory (every [serving] field has one or the other)
+    return cast(Callable[[], Any], f.default_factory)() if f.default is dataclasses.MISSING else f.default
 
 
 GB10_USABLE_MEMORY_BYTES = int(serving_default("usable_memory_gib") * GiB)  # about 121 GiB

@@ -180,8 +180,8 @@ def proc_hides_others(proc: Path) -> bool:
     except OSError:
         return False
     for line in lines:
-        fields, _, rest = line.partition(" - ")
-        fields, rest = fields.split(), rest.split()
+        head, _, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
         if len(fields) > 4 and fields[4] == str(proc) and rest[:1] == ["proc"]:
             options = dict(o.partition("=")[::2] for o in (rest[2] if len(rest) > 2 else "").split(","))
             return options.get("hidepid", "0") not in ("0", "off")
@@ -203,7 +203,7 @@ def check_swap_oom(proc: Path) -> list[Check]:
         used = sum(int(r[3]) for r in rows if len(r) >= 4) * 1024
         out.append(ok("memory.swap", f"{total / GiB:.1f} GiB of swap ({used / GiB:.1f} GiB used) on "
                       + ", ".join(r[0] for r in rows)))
-    killers = {}
+    killers: dict[str, list[str]] = {}
     for pid_dir in proc.glob("[0-9]*"):
         comm = None
         try:

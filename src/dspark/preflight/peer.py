@@ -15,6 +15,7 @@ import struct
 import subprocess
 import time
 from pathlib import Path
+from typing import cast
 
 from ..config import Cluster, NodeConfig
 from ..safe_read import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_INDEX_BYTES, read_bytes
@@ -252,7 +253,9 @@ def check_ports(cluster: Cluster, node: NodeConfig, proc: Path, own_state: dict 
         owner = _listener_owner(host, port, proc)
         serve_pid = _dspark_serve_ancestor(owner[0], proc, node.name) if owner else None
         if serve_pid is not None or (what == "agent_port" and own_state is not None):
-            who = f"dspark serve (pid {serve_pid})" if serve_pid else f"this node's agent ({own_state.get('state')})"
+            # no serve_pid (a real pid, never 0): then the agent port with own_state
+            who = (f"dspark serve (pid {serve_pid})" if serve_pid
+                   else f"this node's agent ({cast(dict, own_state).get('state')})")
             out.append(ok(name, f"{host}:{port} is held by this node's own {who}"))
             continue
         who = f"pid {owner[0]}: {owner[1][:120]}" if owner else "a process this user cannot see (another user's)"
