@@ -9,6 +9,7 @@ test-artifacts/switch-local.json."""
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import subprocess
 import sys
@@ -20,28 +21,12 @@ import pytest
 
 from dspark import local
 from pairlib import ARTIFACTS, dspark_cmd, kill_leftovers, start_pair
+from switch_lib import A, B, WIDE_BAND, wrap_line
 
 pytestmark = pytest.mark.pair
 
-A, B = "v0.28.0", "v0.29.0"
 # One level, eight streams: the slowed line (one sequence at a time) is about 8x slower there.
 BENCH = ["--concurrency", "8", "--input-len", "16", "--output-len", "64", "--rounds", "1"]
-# The switches that must be kept are measured with a wide band: on a shared 2-core host one
-# real line's score against the other's swings with the load (the systemd module saw -30 % and
-# +29 %, and -14 % against a measured band of 8.5 % in a CI run). The gate itself is proven on
-# the slowed line, with the band the runs measure.
-WIDE_BAND = ["--min-band", "0.6"]
-
-WRAPPER = """#!/bin/sh
-# vLLM {line} as the switch tests see it: the real install, broken or slowed on purpose by MODE.
-here=$(dirname "$0")
-mode=$(cat "$here/../../mode" 2>/dev/null || echo ok)
-case "$mode" in
-  broken) PYTHONPATH="$here/../../broken${{PYTHONPATH:+:$PYTHONPATH}}" exec {real} "$@" ;;
-  slow) exec {real} "$@" --max-num-seqs 1 ;;
-  *) exec {real} "$@" ;;
-esac
-"""
 
 
 def real_second_line() -> Path:
@@ -56,15 +41,9 @@ def switch_pair(tmp_path_factory):
     real = real_second_line()
     lines = tmp_path_factory.mktemp("lines")
     (lines / B / "bin").mkdir(parents=True)
-    exe = lines / B / "bin" / "vllm"
-    exe.write_text(WRAPPER.format(line=B, real=real))
-    exe.chmod(0o755)
-    broken = lines / "broken" / "vllm"
-    broken.mkdir(parents=True)
-    (broken / "__init__.py").write_text('raise ImportError("vllm is broken in this install (a test of dspark switch)")\n')
+    wrap_line(lines, B, lines / B / "bin" / "vllm", shlex.quote(str(real)))
     workdir = tmp_path_factory.mktemp("switch") / "pair"
     (ARTIFACTS / "switch-local.log").unlink(missing_ok=True)
-    (lines / "mode").write_text("ok\n")
     pair = start_pair(workdir, line=B, env={local.LINES_DIR_ENV: str(lines)})
     pair.lines = lines
     figures: dict = {}

@@ -70,3 +70,15 @@ def evaluate(nix_instantiate, nixpkgs_lib):
     def run(host_nix: str) -> dict:
         return nix_eval(nix_instantiate, f"import ./tests/nix/eval.nix {{ libPath = {nixpkgs_lib}; host = {host_nix}; }}")
     return run
+
+
+@pytest.fixture(scope="module")
+def stub(nix_instantiate, nixpkgs_lib, tmp_path_factory) -> Path:
+    """A stand-in nixpkgs (stub-nixpkgs/default.nix) over the real nixpkgs.lib, for evaluating the
+    flake's packages without nixpkgs' package set."""
+    import json
+
+    d = tmp_path_factory.mktemp("stub-nixpkgs")
+    shutil.copy(Path(__file__).with_name("stub-nixpkgs") / "default.nix", d / "default.nix")
+    (d / "lib-path.nix").write_text(json.dumps(str(nixpkgs_lib)) + "\n")
+    return d

@@ -57,3 +57,18 @@ def load_script(name: str, relpath: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def flake_with_stub(stub) -> str:
+    """A Nix `let` binding the flake's outputs with the stand-in nixpkgs (the `stub` fixture) as
+    its input, and legacyPackages as nixpkgs has it (config {}, so unfree is refused); the caller
+    appends the expression to evaluate."""
+    return f"""
+      let
+        lib = import {stub}/lib-path.nix;
+        nixpkgs = {{
+          outPath = {stub};
+          lib = import lib;
+        }} // {{ legacyPackages = {{ aarch64-linux = import {stub} {{ system = "aarch64-linux"; }}; }}; }};
+        outputs = (import ./flake.nix).outputs {{ self = outputs; inherit nixpkgs; }};
+      in"""

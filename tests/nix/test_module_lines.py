@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -171,14 +170,6 @@ def test_the_modules_default_line_is_dsparks(nix_instantiate, nixpkgs_lib):
     assert out == LINES.default
     defaults = {f.name: f.default for f in dataclasses.fields(dspark_config.ServingConfig)}
     assert defaults["runtime_line"] == out
-
-
-@pytest.fixture(scope="module")
-def stub(nix_instantiate, nixpkgs_lib, tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("stub-nixpkgs")
-    shutil.copy(REPO / "tests/nix/stub-nixpkgs/default.nix", d / "default.nix")
-    (d / "lib-path.nix").write_text(json.dumps(str(nixpkgs_lib)) + "\n")
-    return d
 
 
 def test_the_module_builds_every_line_with_the_hosts_pkgs(nix_instantiate, stub, nixpkgs_lib):

@@ -25,7 +25,7 @@ import pytest
 
 from dspark import runtime_lines
 from dspark.overlay import read_series, touched_files
-from nix_support import REPO, NixError, load_script, nix_eval, run_nix
+from nix_support import REPO, NixError, flake_with_stub, load_script, nix_eval, run_nix
 
 pytestmark = pytest.mark.nix
 
@@ -54,27 +54,6 @@ def store_name(path: str) -> str:
     m = STORE_NAME.fullmatch(path)
     assert m, path
     return m.group(1)
-
-
-@pytest.fixture(scope="module")
-def stub(nix_instantiate, nixpkgs_lib, tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("stub-nixpkgs")
-    shutil.copy(REPO / "tests/nix/stub-nixpkgs/default.nix", d / "default.nix")
-    (d / "lib-path.nix").write_text(json.dumps(str(nixpkgs_lib)) + "\n")
-    return d
-
-
-def flake(stub: Path) -> str:
-    """The flake's outputs with the stand-in nixpkgs as its input (test_runtime_nix.py's)."""
-    return f"""
-      let
-        lib = import {stub}/lib-path.nix;
-        nixpkgs = {{
-          outPath = {stub};
-          lib = import lib;
-        }} // {{ legacyPackages = {{ aarch64-linux = import {stub} {{ system = "aarch64-linux"; }}; }}; }};
-        outputs = (import ./flake.nix).outputs {{ self = outputs; inherit nixpkgs; }};
-      in"""
 
 
 def line_runtime(nix_instantiate, stub: Path, line: str, expr: str, stored: bool = False):
@@ -158,7 +137,7 @@ def test_a_series_file_is_read_as_dspark_overlay_reads_it(nix_instantiate, tmp_p
 
 # ------------------------------------------------------------------ the flake's outputs
 def test_the_flake_has_one_runtime_per_line_and_runtime_stays_the_default(nix_instantiate, stub):
-    out = nix_eval(nix_instantiate, flake(stub) + """ let p = outputs.packages.aarch64-linux; in {
+    out = nix_eval(nix_instantiate, flake_with_stub(stub) + """ let p = outputs.packages.aarch64-linux; in {
         names = builtins.attrNames p;
         x86 = builtins.attrNames outputs.packages.x86_64-linux;
         runtime = p.runtime.outPath;

