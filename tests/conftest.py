@@ -75,7 +75,7 @@ def artifacts_dir() -> Path:
 
 
 # ------------------------------------------------------------------ the quick layer's time
-SLOW_MARKS = ("pair", "systemd", "nix", "browser")
+SLOW_MARKS = ("pair", "vllm", "systemd", "nix", "browser")
 _quick: dict[str, float] = {}
 
 
@@ -93,11 +93,18 @@ def pytest_terminal_summary(terminalreporter):
 
 
 PAIR_FIXTURES = {"local_pair", "fresh_pair", "local_ring"}
+VLLM_FIXTURES = {"vllm"}  # test_config_sources.py: vLLM's config and argument parser, imported here
+OVERLAY_TESTS = Path(__file__).parent / "overlay"
 
 
 def pytest_collection_modifyitems(items):
     """A test that takes a pair (directly or through a fixture of its own) is in the pair layer,
-    marked or not, so `-m "not pair"` leaves it out."""
+    marked or not, so `-m "not pair"` leaves it out. One that runs vLLM's own code (every overlay
+    test, which drives copies of the installed tree in subprocesses; a test taking the `vllm`
+    fixture) is in the vllm layer."""
     for item in items:
-        if PAIR_FIXTURES & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if PAIR_FIXTURES & names:
             item.add_marker(pytest.mark.pair)
+        if VLLM_FIXTURES & names or OVERLAY_TESTS in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.vllm)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import plan_vs_scheduler as pvs  # noqa: E402
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm  # vLLM's own scheduler and KV-cache manager, on a copy of its tree
 
 
 @pytest.fixture(scope="module")
