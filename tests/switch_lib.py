@@ -1,6 +1,6 @@
 """What the two `dspark switch` test modules share (tests/test_switch_local.py on `local up`,
-tests/systemd/test_switch_under_systemd.py under the units): the two real lines, the benchmark
-they measure with, and the wrapper put in place of the second line's `bin/vllm`, which a mode
+tests/systemd/test_switch_under_systemd.py under the units): the two real lines, the band the
+switches that must be kept are judged with, and the wrapper put in place of the second line's `bin/vllm`, which a mode
 file turns into a broken or a slowed install of it."""
 
 from __future__ import annotations

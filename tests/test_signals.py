@@ -18,7 +18,8 @@ def test_a_signal_is_queued_kept_as_the_first_and_the_old_handler_comes_back():
 
     old = signal.signal(signal.SIGUSR1, before)
     try:
-        with SignalQueue().install((signal.SIGUSR1, signal.SIGUSR2)) as sigs:
+        sigs = SignalQueue().install((signal.SIGUSR1, signal.SIGUSR2))
+        try:
             assert sigs.first is None and sigs.get(0) is None
             os.kill(os.getpid(), signal.SIGUSR2)
             os.kill(os.getpid(), signal.SIGUSR1)
@@ -26,6 +27,8 @@ def test_a_signal_is_queued_kept_as_the_first_and_the_old_handler_comes_back():
             assert sigs.first == signal.SIGUSR2  # kept after get() took it
             sigs.wake()
             assert sigs.get(5) is None  # a wake ends the wait and is no signal
+        finally:
+            sigs.restore()
         assert signal.getsignal(signal.SIGUSR1) is before and seen == []
         assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
         os.kill(os.getpid(), signal.SIGUSR1)

@@ -23,13 +23,22 @@ from pathlib import Path
 from typing import Any
 
 from .config_schema import (  # noqa: F401 (re-exported: the names callers use)
-    DAY_S, DEFAULT_CONFIG_PATH, ENV_NAME, GIB, MAX_ARG_CHARS, MAX_DEPTH, MAX_FILE_BYTES, MIN_SECONDS, NOT_SET,
-    PLACEHOLDER, SECTIONS, SEED_ENV, SEED_EXTRA_ARGS, SEED_SPECULATIVE, Cluster, ConfigError, ModelConfig,
-    NodeConfig, ServingConfig, SupervisorConfig, _HOST_LABEL,
+    DAY_S, DEFAULT_CONFIG_PATH, GIB, MIN_SECONDS, NOT_SET, PLACEHOLDER, SECTIONS, SEED_ENV, SEED_EXTRA_ARGS,
+    SEED_SPECULATIVE, Cluster, ConfigError, ModelConfig, NodeConfig, ServingConfig, SupervisorConfig,
 )
 from .config_template import dumps, template  # noqa: F401 (re-exported)
 from .config_toml import drop_none, toml_key, toml_value, toml_value_or_repr
 from .typecheck import fits, words
+
+# The file itself: a regular file of at most this size, UTF-8, nested at most this deep.
+MAX_FILE_BYTES = 1024 * 1024
+MAX_DEPTH = 8
+# Environment names: what a POSIX shell can assign and systemd's Environment= accepts.
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The longest single argument dspark puts on vLLM's command line (a path is at most 4096 bytes).
+MAX_ARG_CHARS = 4096
+# What a host name may be (RFC 1123 labels, 253 characters at most).
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def _node_examples(i: int) -> dict[str, Any]:

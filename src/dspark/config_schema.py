@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,19 +18,10 @@ from .config_toml import toml_value
 DEFAULT_CONFIG_PATH = Path("/etc/dspark/cluster.toml")
 PLACEHOLDER = "CHANGEME"
 GIB = 1024**3
-# The file itself: a regular file of at most this size, UTF-8, nested at most this deep.
-MAX_FILE_BYTES = 1024 * 1024
-MAX_DEPTH = 8
-# Environment names: what a POSIX shell can assign and systemd's Environment= accepts.
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DAY_S = 86400.0
 # The shortest interval or timeout the supervisor takes: below it a loop spins (1e-300 s ran a
 # core flat out) and no HTTP answer or process exit can be waited for.
 MIN_SECONDS = 0.1
-# The longest single argument dspark puts on vLLM's command line (a path is at most 4096 bytes).
-MAX_ARG_CHARS = 4096
-# What a host name may be (RFC 1123 labels, 253 characters at most).
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 class ConfigError(Exception):

@@ -22,9 +22,9 @@ def dumps(data: dict, comments: bool = False, derived: dict[str, dict[str, Any]]
     def table(cls: type, values: dict, unset: dict[str, Any] | None = None) -> None:
         meta: dict[str, Mapping[str, Any]] = {f.name: f.metadata for f in dataclasses.fields(cls)}
         for key, value in [*values.items(), *(unset or {}).items()]:
-            if comments and (meta.get(key) or {}).get("help"):
+            if comments and meta.get(key, {}).get("help"):
                 lines.append(f"# {meta[key]['help']}")
-            if comments and (meta.get(key) or {}).get("source"):
+            if comments and meta.get(key, {}).get("source"):
                 lines.extend(textwrap.wrap(f"Source: {meta[key]['source']}", 96, initial_indent="# ",
                                            subsequent_indent="#   ", break_on_hyphens=False))
             line = f"{toml_key(key)} = {toml_value(value)}"

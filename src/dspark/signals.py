@@ -1,7 +1,6 @@
 """Signals for dspark's long-running commands (`serve`, `local up`, `dashboard`): the handlers
 only put the signal on a queue; the command's one loop takes them off and acts (uvicorn's
-supervisors do the same). Used as a context manager, the queue gives the handlers it replaced
-back on the way out. Stdlib only and cheap to
+supervisors do the same); `restore()` gives back the handlers it replaced. Stdlib only and cheap to
 import: `serve` installs the queue before anything else, so a signal that arrives while the
 cluster file is read is acted on, not lost and never a traceback.
 
@@ -41,12 +40,6 @@ class SignalQueue:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
-
-    def __enter__(self) -> "SignalQueue":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
 
     def _record(self, signum, frame) -> None:  # a handler does nothing else
         if self.first is None:

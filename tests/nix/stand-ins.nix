@@ -31,8 +31,8 @@ let
       outPath = "/nix/store/00000000000000000000000000000000-${name}";
     };
   };
-  # runCommand's build step, kept as text with its inputs (tests/nix/test_module_cluster_check.py
-  # runs it on the file the stand-in generate keeps); passthru is merged in as nixpkgs does.
+  # runCommand's build step, kept as text with its inputs (tests/nix/test_module.py's
+  # build_cluster_file runs it on the file the stand-in generate keeps); passthru is merged in as nixpkgs does.
   pkgs.runCommand =
     name: env: buildCommand:
     (env.passthru or { })

@@ -15,7 +15,7 @@ import click
 
 from ..cli_common import fail
 from ..cli_options import config_option, parse_sizes  # noqa: F401 (parse_sizes: re-exported)
-from .client import Target
+from .client import REQUEST_TIMEOUT_S
 from .decode import DecodeSpec
 from .prefill import PrefillSpec
 
@@ -25,7 +25,6 @@ if TYPE_CHECKING:  # annotations only: what click.progressbar() returns
 # The options' defaults are the specs' own (one place): `bench decode --help` shows them. The
 # options both runs share (--seed, --label) have the same default in both specs.
 _DECODE, _PREFILL = DecodeSpec(), PrefillSpec()
-_REQUEST_TIMEOUT_S = next(f.default for f in dataclasses.fields(Target) if f.name == "timeout_s")
 
 DEFAULT_OUT = Path("bench-results")
 
@@ -103,7 +102,7 @@ def resolve_target(config_path: Path | None, url: str | None, model: str | None,
 def server_options(f):
     # applied bottom-up: the last one here is listed first in --help
     f = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary; errors only.")(f)
-    f = click.option("--request-timeout", type=float, default=_REQUEST_TIMEOUT_S, show_default=True,
+    f = click.option("--request-timeout", type=float, default=REQUEST_TIMEOUT_S, show_default=True,
                      help="Seconds one request may take, from sending it to the end of its stream.")(f)
     f = click.option("--shared-prefix-cache", is_flag=True,
                      help="Send no per-run cache salt: prompts an earlier run with the same seed sent come "

@@ -22,12 +22,15 @@ class BenchError(Exception):
     message says what happened and is shown as is."""
 
 
+REQUEST_TIMEOUT_S = 600.0  # per request, from sending it to the end of its stream (`--request-timeout`)
+
+
 @dataclass(frozen=True)
 class Target:
     url: str                  # e.g. http://10.0.0.1:8888 (no trailing slash)
     model: str | None = None  # served name; None = the server's only model
     token: str | None = None  # API key, sent as a Bearer token
-    timeout_s: float = 600.0  # per request, from sending it to the end of its stream
+    timeout_s: float = REQUEST_TIMEOUT_S
 
     def endpoint(self, path: str) -> str:
         return self.url.rstrip("/") + path
