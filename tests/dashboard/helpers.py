@@ -7,8 +7,9 @@ import json
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from importlib import resources
 from pathlib import Path
+
+from dspark.dashboard import snapshot_model as model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -18,7 +19,7 @@ def scrape_text(name: str) -> str:
 
 
 def snapshot_schema() -> dict:
-    return json.loads((resources.files("dspark.dashboard") / "static" / "snapshot.schema.json").read_text())
+    return model.snapshot_schema()
 
 
 def validate_snapshot(snap: dict) -> None:

@@ -1,7 +1,8 @@
 """The dashboard's HTTP server: read-only, loopback by default, optional access token.
 
 GET /                    the page (static/index.html; it loads app.js and style.css)
-GET /static/NAME         the page's assets, and snapshot.schema.json (the JSON endpoint's schema)
+GET /static/NAME         the page's assets, and snapshot.schema.json (the JSON endpoint's schema,
+                         generated from dashboard/snapshot_model.py)
 GET /api/v1/snapshot     the collector's latest snapshot (JSON; needs the token when one is set)
 GET /healthz             "ok" (for the unit)
 Every other method answers 405. The browser talks to this server only, never to vLLM.
@@ -32,6 +33,7 @@ from ..http_server import BoundedHTTPServer, discard_body
 from ..safe_read import MAX_SECRET_BYTES, read_text
 from ..signals import SignalQueue
 from .collector import Collector
+from .snapshot_model import schema_json
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8899
@@ -105,9 +107,11 @@ def _token_ok(expected: str, header: str | None) -> bool:
 
 
 def _read_assets() -> dict[str, bytes]:
-    """The page's files, read once (package data under dspark/dashboard/static/)."""
+    """The page's files, read once (package data under dspark/dashboard/static/), and the
+    snapshot's schema, generated from its declaration."""
     root = resources.files("dspark.dashboard") / "static"
-    return {p.name: p.read_bytes() for p in root.iterdir() if p.is_file() and _ASSET_NAME.match(p.name)}
+    assets = {p.name: p.read_bytes() for p in root.iterdir() if p.is_file() and _ASSET_NAME.match(p.name)}
+    return {**assets, "snapshot.schema.json": schema_json()}
 
 
 class DashboardServer:
