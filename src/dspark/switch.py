@@ -30,6 +30,7 @@ from typing import Callable, cast
 from . import line_state
 from . import states as S
 from .agent_client import agent_state
+from .bench.client import REQUEST_TIMEOUT_S
 from .config import Cluster, ConfigError
 
 HISTORY = "switch-history.json"
@@ -149,7 +150,7 @@ class Bench:
     seed: int = 0
     repeats: int = 2          # runs on each line (the band needs two at least)
     min_band: float = MIN_BAND
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = REQUEST_TIMEOUT_S
 
 
 class Switcher:
