@@ -75,7 +75,7 @@ def artifacts_dir() -> Path:
 
 
 # ------------------------------------------------------------------ the quick layer's time
-SLOW_MARKS = ("pair", "vllm", "systemd", "nix", "browser")
+SLOW_MARKS = ("pair", "vllm", "systemd", "nix", "browser", "load")
 _quick: dict[str, float] = {}
 
 

@@ -16,6 +16,8 @@ from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 from standin_lib import write_cluster
 
+pytestmark = pytest.mark.load
+
 SLOW = 200
 SNAP = {"node": "n", "rank": 0, "role": "head", "state": "serving", "restarts": 0, "uptime_s": 1.0,
         "vllm_pid": None, "vllm_version": None, "dspark_version": "0", "liveness": None}

@@ -21,6 +21,8 @@ from packaging.requirements import Requirement
 
 from nix_support import REPO
 
+pytestmark = pytest.mark.nix  # a replay of the Nix build's check phase (no Nix needed)
+
 DATA = json.loads((REPO / "nix/package-tests.json").read_text())
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
@@ -91,7 +93,6 @@ def test_the_check_phase_passes_on_the_installed_package_without_vllm(tmp_path):
     assert " passed" in run.stdout and " failed" not in run.stdout, tail
 
 
-@pytest.mark.nix
 def test_the_package_passes_the_replayed_flags_as_pytest_flags(nix_instantiate, nixpkgs_lib, tmp_path):
     """nix/package.nix evaluated with the stand-in nixpkgs (buildPythonApplication keeps its
     arguments): pytestFlags, not pytestFlagsArray (an error in nixpkgs 26.05), as structured

@@ -9,45 +9,40 @@ failure's traceback. Run as ``python line029_checks.py PATCHED_SITE``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from pathlib import Path
 
 # The 0.28.0 checks whose code holds unchanged on 0.29.0 (sys.path[0] is this folder).
+import patched_checks  # noqa: E402
 from patched_checks import (  # noqa: E402
     _with_family,
     check_cache_dtype,
     check_nvfp4_rewrite,
     check_tensor_logic,
     check_warmup_prompt_len,
+    flashinfer_takes_nvfp4,
+    imported_from,
+    swa_cache_layer,
 )
 
-PATCHED_MODULES = (
-    "vllm.utils.spark_sm12x",
-    "vllm.utils.spark_sm12x_attn",
-    "vllm.config.cache",
-    "vllm.config.vllm",
-    "vllm.utils.torch_utils",
-    "vllm.models.deepseek_v4.attention",
-    "vllm.models.deepseek_v4.compressor",
-    "vllm.models.deepseek_v4.sparse_mla",
-    "vllm.models.deepseek_v4.nvidia.flashinfer_sparse",
-    "vllm.models.deepseek_v4.nvidia.model",
-    "vllm.v1.attention.backends.mla.sparse_swa",
-    "vllm.model_executor.warmup.kernel_warmup",
-    "vllm.v1.worker.gpu.warmup",
-)
+# The v0.29.0 series patches the modules the v0.28.0 series does, less the b12x MoE backend's
+# (0004, 0005, 0006, 0009 and 0010 are upstream in 0.29.0).
+PATCHED_MODULES = tuple(m for m in patched_checks.PATCHED_MODULES if m not in (
+    "vllm.utils.b12x",
+    "vllm.model_executor.layers.fused_moe.oracle.mxfp4",
+    "vllm.model_executor.layers.fused_moe.experts.b12x_mxfp4_moe",
+    "vllm.model_executor.warmup.b12x_warmup",
+    "vllm.model_executor.layers.fused_moe.oracle.nvfp4",
+    "vllm.model_executor.layers.quantization.mxfp4",
+))
 
 
 def check_imports(site: Path) -> None:
     import vllm
 
     assert vllm.__version__.split("+")[0] == "0.29.0", vllm.__version__
-    for name in PATCHED_MODULES:
-        module = importlib.import_module(name)
-        origin = Path(module.__file__).resolve()
-        assert origin.is_relative_to(site.resolve()), f"{name} came from {origin}"
+    imported_from(site, PATCHED_MODULES)
 
 
 def _attention_layer(cache_dtype: str, ratio: int):
@@ -73,7 +68,6 @@ def check_page_size_specs(site: Path) -> None:
     from types import SimpleNamespace
 
     import torch
-    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
     from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
 
     config = SimpleNamespace(cache_config=SimpleNamespace(block_size=256))
@@ -88,11 +82,7 @@ def check_page_size_specs(site: Path) -> None:
         # fp8_ds_mla keeps 0.29.0's 576-byte padding.
         fp8 = _attention_layer("fp8_ds_mla", ratio).get_kv_cache_spec(config)
         assert fp8.alignment == 576 and fp8.page_size_bytes == -(-(256 // ratio) * 584 // 576) * 576
-    swa = object.__new__(DeepseekV4SWACache)
-    torch.nn.Module.__init__(swa)
-    swa.block_size, swa.head_dim, swa.window_size = 64, 512, 128
-    swa.dtype = torch.uint8
-    swa.cache_config = SimpleNamespace(cache_dtype="nvfp4_ds_mla")
+    swa = swa_cache_layer(64, "nvfp4_ds_mla")
     spec = swa.get_kv_cache_spec(None)
     assert (spec.page_size_bytes, spec.alignment, spec.page_size_padded) == (64 * 584, 584, None), spec
     shape = compute_layer_kv_cache_shape_bytes(spec, 10)
@@ -105,23 +95,7 @@ def check_page_size_specs(site: Path) -> None:
 
 
 def check_flashinfer_backend(site: Path) -> None:
-    from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
-        DeepseekV4FlashInferMLASparseBackend as B,
-        DeepseekV4FlashInferSM120Attention as A,
-    )
-    from vllm.platforms.interface import DeviceCapability
-
-    assert "nvfp4_ds_mla" in B.supported_kv_cache_dtypes
-    args = dict(head_size=512, dtype=None, block_size=256, use_mla=True, has_sink=True,
-                use_sparse=True, use_mm_prefix=False)
-    sm100 = B.supports_combination(
-        kv_cache_dtype="nvfp4_ds_mla", device_capability=DeviceCapability(10, 0), **args)
-    assert sm100 is not None  # refused on SM10x
-    sm121 = B.supports_combination(
-        kv_cache_dtype="nvfp4_ds_mla", device_capability=DeviceCapability(12, 1), **args)
-    # Accepted dtype; FlashInfer itself is not installed here.
-    assert sm121 is None or "kv_cache_dtype" not in sm121, sm121
-    assert [A.get_padded_num_q_heads(h) for h in (8, 16, 32, 64)] == [8, 16, 32, 64]
+    A = flashinfer_takes_nvfp4()
     # The port carries the per-request row plan and not the SWA width padding (inert with the
     # FlashInfer 0.6.18 vLLM 0.29.0 pins): the class plans rows on SM12x only.
     import vllm.utils.spark_sm12x_attn as m

@@ -58,11 +58,16 @@ def _with_family(family: int | None, fn):
             cls.is_device_capability_family = saved
 
 
-def check_imports(site: Path) -> None:
-    for name in PATCHED_MODULES:
+def imported_from(site: Path, modules: tuple[str, ...]) -> None:
+    """Every patched module imports, and from the patched copy, not the installed tree."""
+    for name in modules:
         module = importlib.import_module(name)
         origin = Path(module.__file__).resolve()
         assert origin.is_relative_to(site.resolve()), f"{name} came from {origin}"
+
+
+def check_imports(site: Path) -> None:
+    imported_from(site, PATCHED_MODULES)
 
 
 def check_tensor_logic(site: Path) -> None:
@@ -123,7 +128,6 @@ def check_page_size_specs(site: Path) -> None:
     )
     from vllm.models.deepseek_v4.sparse_mla import DeepseekV4SparseMLABackend
     from vllm.utils.spark_sm12x import ds_mla_alignment
-    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
     for ratio in (4, 128):
         spec = MLAAttentionSpec(
@@ -154,20 +158,30 @@ def check_page_size_specs(site: Path) -> None:
         10, 64, 512,
     )
     # The SWA cache layer's own spec (the patched code path).
+    spec = swa_cache_layer(256, "nvfp4_ds_mla").get_kv_cache_spec(None)
+    assert (spec.page_size_bytes, spec.alignment) == (256 * 584, 584), spec
+    assert swa_cache_layer(256, "fp8_ds_mla").get_kv_cache_spec(None).alignment == 576
+
+
+def swa_cache_layer(block_size: int, cache_dtype: str):
+    """vLLM's own SWA cache layer, only the fields its get_kv_cache_spec reads (no model built)."""
     from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
     layer = object.__new__(DeepseekV4SWACache)
     torch.nn.Module.__init__(layer)
-    layer.block_size, layer.head_dim, layer.window_size = 256, 512, 128
+    layer.block_size, layer.head_dim, layer.window_size = block_size, 512, 128
     layer.dtype = torch.uint8
-    layer.cache_config = SimpleNamespace(cache_dtype="nvfp4_ds_mla")
-    spec = layer.get_kv_cache_spec(None)
-    assert (spec.page_size_bytes, spec.alignment) == (256 * 584, 584), spec
-    layer.cache_config = SimpleNamespace(cache_dtype="fp8_ds_mla")
-    assert layer.get_kv_cache_spec(None).alignment == 576
+    layer.cache_config = SimpleNamespace(cache_dtype=cache_dtype)
+    return layer
 
 
-def check_flashinfer_backend(site: Path) -> None:
+def flashinfer_takes_nvfp4():
+    """The SM120 FlashInfer backend lists nvfp4_ds_mla, refuses it on SM10x and takes it on
+    SM121; the head ladder is stock (TP=2: 32 heads per rank stay 32). Returns the attention
+    class for the line's own checks."""
     from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
         DeepseekV4FlashInferMLASparseBackend as B,
         DeepseekV4FlashInferSM120Attention as A,
@@ -186,8 +200,12 @@ def check_flashinfer_backend(site: Path) -> None:
     )
     # Accepted dtype; FlashInfer itself is not installed here.
     assert sm121 is None or "kv_cache_dtype" not in sm121, sm121
-    # Head ladder (stock v0.28.0): TP=2 -> 32 heads per rank stay 32.
     assert [A.get_padded_num_q_heads(h) for h in (8, 16, 32, 64)] == [8, 16, 32, 64]
+    return A
+
+
+def check_flashinfer_backend(site: Path) -> None:
+    flashinfer_takes_nvfp4()
     # Index widths the SM120 class pads to (kv_layout_checks runs the class
     # itself through vLLM's packing; this is the width rule alone).
     from vllm.utils.spark_sm12x_attn import Sm12xIndexWidthError, decode_index_width
