@@ -5,7 +5,7 @@ The schemas are judged by jsonschema, the validator a client of the dashboard wo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import jsonschema
 import pytest
@@ -32,10 +32,14 @@ class Sample:
     ttft: Window = about(what="time to first token")
     series: list[float | None] = about(minimum=0)
     tags: dict[str, int] = about()
+    settings: dict = about()
+    trials: list = about()
+    anything: Any = about()
 
 
 GOOD = {"version": 1, "role": "head", "proof": None, "name": "a", "count": 0, "share": 0.5, "from": "x",
-        "ttft": {"mean": 0.2, "edges": [0.1, None]}, "series": [1.0, None], "tags": {"k": 1}}
+        "ttft": {"mean": 0.2, "edges": [0.1, None]}, "series": [1.0, None], "tags": {"k": 1},
+        "settings": {"a": [1]}, "trials": [{}, 2], "anything": "x"}
 
 
 def validate(value) -> None:
@@ -68,6 +72,8 @@ def test_a_value_of_the_declared_shape_validates_with_and_without_an_optional_ke
     {**GOOD, "ttft": {"mean": 1, "edges": [-1, 2]}},        # a list's number bounds apply to its items
     {**GOOD, "series": [-0.5]},
     {**GOOD, "tags": {"k": "v"}},                           # dict[str, int] values
+    {**GOOD, "settings": []},                               # a bare dict is an object
+    {**GOOD, "trials": {}},                                 # a bare list is an array
 ])
 def test_what_the_declaration_rules_out_the_schema_rejects(broken):
     with pytest.raises(jsonschema.ValidationError):

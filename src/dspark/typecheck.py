@@ -91,7 +91,7 @@ def json_schema(tp: Any, meta: typing.Mapping[str, Any] | None = None, what: str
     node = _type_schema(tp, meta.get("what", what))
     doc = meta.get("doc", "").replace("{what}", what)
     bounds = {k: v for k, v in meta.items() if k not in _OWN_KEYS}
-    if node.get("type") in ("array", ["array", "null"]):
+    if "items" in node:
         node["items"].update({k: bounds.pop(k) for k in _NUMBER_BOUNDS if k in bounds})
     return {**node, **({"description": doc} if doc else {}), **bounds}
 
@@ -125,4 +125,6 @@ def _type_schema(tp: Any, what: str) -> dict:
             if not f.metadata.get("optional"):
                 required.append(key)
         return {"type": "object", "additionalProperties": False, "required": required, "properties": props}
-    return {"type": _JSON_TYPES[tp]}
+    if tp is Any:
+        return {}
+    return {"type": {list: "array", dict: "object", **_JSON_TYPES}[tp]}
