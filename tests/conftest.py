@@ -58,8 +58,8 @@ def serve(tmp_path):
     is killed and its notify socket closed after the test."""
     started: list[Serve] = []
 
-    def start(cluster, node, **env):
-        s = Serve(tmp_path, cluster, node, **env)
+    def start(cluster, node, *serve_args, **env):
+        s = Serve(tmp_path, cluster, node, *serve_args, **env)
         started.append(s)
         return s
 

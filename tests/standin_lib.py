@@ -43,7 +43,7 @@ def write_cluster(tmp: Path, nodes: int = 1, **supervisor) -> Path:
 class Serve:
     """A `dspark serve` process with a real notify socket."""
 
-    def __init__(self, tmp: Path, cluster: Path, node: str, **standin_env):
+    def __init__(self, tmp: Path, cluster: Path, node: str, *serve_args: str, **standin_env):
         self.sock_path = str(tmp / f"notify-{node}.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.sock_path)
@@ -54,7 +54,7 @@ class Serve:
         self.cluster = C.load(cluster)
         self.node = self.cluster.node(node)
         self.proc = subprocess.Popen(dspark_cmd("serve", "--config", str(cluster), "--node", node, "--skip-plan",
-                                                "--state-dir", str(tmp / f"state-{node}")),
+                                                "--state-dir", str(tmp / f"state-{node}"), *serve_args),
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.t0 = time.monotonic()
 

@@ -55,10 +55,12 @@ def write_cluster(tmp_path: Path, name: str, head_agent: int, worker_agent: int,
 
 
 class Worker:
-    """A real agent answering as the worker `w` on 127.0.0.2, on a given line (no vLLM)."""
+    """A real agent answering as the worker `w` on 127.0.0.2, on a given line (no vLLM), with
+    the identity `dspark check` compares, when given."""
 
-    def __init__(self, port: int, line: str | None, state: str = S.RENDEZVOUS):
-        self.state = S.NodeState(node="w", rank=1, role="worker", state=state, runtime_line=line)
+    def __init__(self, port: int, line: str | None, state: str = S.RENDEZVOUS, identity: dict | None = None):
+        self.state = S.NodeState(node="w", rank=1, role="worker", state=state, runtime_line=line,
+                                 identity=identity)
         self.agent = Agent("127.0.0.2", port, self.state.snapshot)
 
     def __enter__(self) -> "Worker":
@@ -92,6 +94,34 @@ def test_check_passes_on_a_peer_on_the_same_line(tmp_path):
         got = {c.name: c for c in P.check_peers(head, head.head, P.local_identity(head))}
     assert got["peer.w.line"].status == "ok" and SECOND in got["peer.w.line"].seen
     assert P.local_identity(head)["runtime_line"] == SECOND
+
+
+def test_a_peer_of_the_same_cluster_file_on_another_line_is_not_a_refusal(tmp_path):
+    """A worker follows its head's line when the pair forms; so a node restarted alone during a
+    switch or its rollback passes its start check. Its runtime is compared once both run one
+    line (the two lines' runtimes differ as their releases do)."""
+    port_h, port_w = free_port(), free_port("127.0.0.2")
+    head = write_cluster(tmp_path, "head.toml", port_h, port_w, None)
+    mine = {"cluster_sha256": "c" * 64, "model_sha256": "m" * 64, "vllm_sources_sha256": "a" * 64,
+            "runtime_line": head.serving.runtime_line}
+    theirs = {**mine, "vllm_sources_sha256": "b" * 64, "runtime_line": SECOND}
+    with Worker(port_w, SECOND, identity=theirs):
+        got = {c.name: c for c in P.check_peers(head, head.head, mine)}
+    line = got["peer.w.line"]
+    assert line.status == "ok" and "follows this head onto " + head.serving.runtime_line in line.seen, line
+    assert "peer.w.runtime" not in got and got["peer.w.cluster"].status == "ok"
+    assert not [c for c in got.values() if c.status == "fail"]
+
+
+def test_a_peer_of_another_cluster_file_on_another_line_is_refused(tmp_path):
+    port_h, port_w = free_port(), free_port("127.0.0.2")
+    head = write_cluster(tmp_path, "head.toml", port_h, port_w, None)
+    mine = {"cluster_sha256": "c" * 64, "model_sha256": "m" * 64, "vllm_sources_sha256": "a" * 64,
+            "runtime_line": head.serving.runtime_line}
+    theirs = {**mine, "cluster_sha256": "d" * 64, "vllm_sources_sha256": "b" * 64, "runtime_line": SECOND}
+    with Worker(port_w, SECOND, identity=theirs):
+        got = {c.name: c for c in P.check_peers(head, head.head, mine)}
+    assert {n for n, c in got.items() if c.status == "fail"} == {"peer.w.cluster", "peer.w.runtime", "peer.w.line"}
 
 
 # ------------------------------------------------------------------------------ pairing

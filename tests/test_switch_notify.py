@@ -6,14 +6,17 @@ switch (tests/systemd/test_switch_under_systemd.py saw the worker killed, result
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import tomllib
 
+import pytest
 from standin_lib import STANDIN, write_cluster
 
 from dspark import config as C
-from dspark import line_state
+from dspark import line_state, local
+from dspark.local_model import TINY_MODEL
 
 A, B = "v0.28.0", "v0.29.0"
 
@@ -39,3 +42,40 @@ def test_a_switch_restarts_vllm_on_the_new_line_without_stopping_the_unit(tmp_pa
     assert any("switching from runtime line" in m for m in after), after
     assert not any(m.startswith("STOPPING=1") or "\nSTOPPING=1" in m for m in after), after
     assert s.proc.poll() is None
+
+
+def test_a_worker_restarted_alone_on_another_line_than_its_heads_follows_the_head(tmp_path, serve):
+    """During a rollback the head goes back to the old line while a worker that systemd restarts
+    on its own still has the new line in its state. The worker's start check (`serve --check`,
+    what the units run) must not refuse the pair's line: an exit 2 is never restarted
+    (RestartPreventExitStatus=2). It starts, follows its head onto the head's line and the pair
+    serves there."""
+    second = local.lines_dir() / B / "bin" / "python"  # B's stand-in runs where B's vLLM is installed
+    if not second.exists():
+        pytest.skip(f"runtime line {B} is not installed here (.ci/setup puts it in {local.lines_dir()})")
+    path = write_cluster(tmp_path, nodes=2, worker_wait_timeout_s=120.0)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_MODEL))  # the check reads it
+    data = tomllib.loads(path.read_text())
+    data["serving"]["line_commands"] = {A: [sys.executable, str(STANDIN)], B: [str(second), str(STANDIN)]}
+    data["serving"]["load_format"] = "dummy"  # no shards: the stand-in loads nothing
+    path.write_text(C.dumps(data))
+    line_state.write(tmp_path / "state-h", line_state.LineState(A, A, line_state.Switch("t-rollback", B, A,
+                                                                                          time.time(), rollback=True)))
+    line_state.write(tmp_path / "state-w", line_state.LineState(B, A))
+    h = serve(path, "h")
+    h.read(until="STATUS=rendezvous")  # the head waits for its worker
+    w = serve(path, "w", "--check")
+    deadline, states = time.monotonic() + 90, ({}, {})
+    while time.monotonic() < deadline and w.proc.poll() is None:
+        h.read(timeout=0.2)  # (the notify sockets read, as systemd does)
+        w.read(timeout=0.2)
+        try:
+            states = (h.state(), w.state())
+        except OSError:
+            continue
+        if all(st.get("state") == "serving" for st in states):
+            break
+    out = w.proc.stdout.read() if w.proc.poll() is not None else ""
+    assert w.proc.poll() is None, (w.proc.returncode, [x for x in out.splitlines() if "fail" in x])
+    assert [(st["state"], st["runtime_line"]) for st in states] == [("serving", A)] * 2, states
+    assert line_state.current(tmp_path / "state-w", A).line == A  # it comes back on the pair's line

@@ -327,12 +327,14 @@ def check_peers(cluster: Cluster, node: NodeConfig, mine: dict, starting: bool =
                                 "(workers before the head), or check the fabric between the nodes"))
             continue
         theirs = s.get("identity") or {}
+        line = s.get("runtime_line") or theirs.get("runtime_line")
+        follows = _follows(name, node, peer, mine, theirs, line)
         if not theirs:
             out.append(warn(name, f"{peer.name}'s agent reports no identity (an older dspark?)",
                             "install the same dspark on every node"))
         else:
-            out += _compare(name, peer.name, mine, theirs)
-        out += _compare_line(name, peer.name, mine.get("runtime_line"), s.get("runtime_line") or theirs.get("runtime_line"))
+            out += _compare(name, peer.name, mine, theirs, runtime=follows is None)
+        out += [follows] if follows else _compare_line(name, peer.name, mine.get("runtime_line"), line)
         if s.get("dspark_version") and s.get("dspark_version") != _dspark_version():
             out.append(warn(f"{name}.dspark", f"{peer.name} runs dspark {s.get('dspark_version')}, this node "
                             f"{_dspark_version()}", "install the same dspark on every node"))
@@ -371,7 +373,23 @@ def _compare_line(name: str, peer: str, mine: str | None, theirs: str | None) ->
     return [ok(label, f"same runtime line as {peer}: {mine}")]
 
 
-def _compare(name: str, peer: str, mine: dict, theirs: dict) -> list[Check]:
+def _follows(name: str, node: NodeConfig, peer: NodeConfig, mine: dict, theirs: dict, line) -> Check | None:
+    """Two lines of one cluster file are not a refusal: the workers follow their head's line when
+    the pair forms (node_policy: a worker switches to it, the head does not refuse it). So a node
+    restarted on its own while the pair switches lines, or rolls a switch back, rejoins; a refusal
+    (exit 2) is never restarted by systemd. The runtimes then differ as their lines do, and are
+    compared once both run one line."""
+    mine_line, sha = mine.get("runtime_line"), mine.get("cluster_sha256")
+    if (not isinstance(line, str) or not line or not mine_line or line == mine_line or not sha
+            or sha != theirs.get("cluster_sha256")):
+        return None
+    onto = (f"this worker follows its head onto {line}" if peer.is_head else
+            f"{peer.name} follows this head onto {mine_line}" if node.is_head else "both follow the head's line")
+    return ok(f"{name}.line", f"{peer.name} runs runtime line {line}, this node {mine_line}, from the same cluster "
+              f"file: {onto} when the pair forms (runtimes compared once both run one line)")
+
+
+def _compare(name: str, peer: str, mine: dict, theirs: dict, runtime: bool = True) -> list[Check]:
     out = []
     rows = [
         ("cluster", "cluster_sha256", "cluster file", "copy the same cluster file to every node (NixOS: the same "
@@ -381,7 +399,7 @@ def _compare(name: str, peer: str, mine: dict, theirs: dict) -> list[Check]:
         ("runtime", "vllm_sources_sha256", "vLLM sources (version and overlay)", "install the same runtime on every "
          "node (the same flake revision, or `dspark overlay apply` on both)"),
     ]
-    for short, key, what, fix in rows:
+    for short, key, what, fix in rows if runtime else rows[:2]:
         a, b = mine.get(key), theirs.get(key)
         label = f"{name}.{short}"
         if a is None or b is None:
