@@ -79,11 +79,19 @@ SLOW_MARKS = ("pair", "vllm", "systemd", "nix", "browser", "load")
 _quick: dict[str, float] = {}
 
 
+_quick_ids: set[str] = set()
+
+
+def pytest_collection_finish(session):
+    """The tests of this run that carry none of the slow layers' marks (after the auto-marking)."""
+    _quick_ids.update(item.nodeid for item in session.items
+                      if not any(item.get_closest_marker(m) for m in SLOW_MARKS))
+
+
 def pytest_runtest_logreport(report):
     """Time of every test that needs none of the slow layers (setup, call and teardown)."""
-    if any(m in report.keywords for m in SLOW_MARKS):
-        return
-    _quick[report.nodeid] = _quick.get(report.nodeid, 0.0) + report.duration
+    if report.nodeid in _quick_ids:
+        _quick[report.nodeid] = _quick.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
