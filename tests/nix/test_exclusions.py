@@ -15,7 +15,10 @@ from nix_support import REPO
 
 LOCK = json.loads((REPO / "nix/runtime-lock.json").read_text())
 
+pytestmark = pytest.mark.nix  # the Nix runtime's lock, checked against the tests' venv (no Nix needed)
 
+
+@pytest.mark.vllm  # imports vLLM (seconds)
 def test_excluded_packages_are_absent_where_vllm_imports():
     code = ("import importlib.util, importlib.metadata as m, json, sys; "
             "names = json.loads(sys.argv[1]); "
