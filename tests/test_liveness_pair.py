@@ -60,23 +60,24 @@ def test_saturation_for_longer_than_three_liveness_windows_loses_nothing(local_p
     cluster = C.load(local_pair.cluster_file)
     sup, max_seqs = cluster.supervisor, cluster.serving.max_num_seqs
     window = sup.liveness_interval_s + sup.liveness_timeout_s
-    head0 = local_pair.state("local-head")
+    before = {node: local_pair.state(node) for node in ("local-head", "local-worker")}
     t0 = time.monotonic()
     results, threads = load(local_pair.api_url, 2 * max_seqs, t0 + 3 * window + 5, max_tokens=400)
     seen_waiting, proofs = 0.0, set()
-    # On a saturated 2-core host an agent may miss one 2 s read (the product's own fetch_state
-    # timeout); the product tolerates that for head_lost_s, and so does this test: every answer
-    # must say "serving", and each agent must answer within head_lost_s of its previous answer.
-    answered = {"local-head": t0, "local-worker": t0}
+    # On a saturated 2-core host this test's own reads of an agent may time out (its loop also
+    # waits on /metrics); the judge of a silent agent is the product: a peer silent past
+    # head_lost_s breaks the pair, and the nodes restart. So every answer must say "serving",
+    # and after the load both nodes run the vLLM and the supervisor run they ran before.
+    reads = {node: 0 for node in before}
     while any(t.is_alive() for t in threads):
         assert time.monotonic() - t0 < 900, "the load did not finish"
         states = {}
-        for node in answered:
+        for node in reads:
             try:
                 states[node] = local_pair.state(node)
-                answered[node] = time.monotonic()
+                reads[node] += 1
             except OSError:  # a read timed out (TimeoutError, URLError)
-                assert time.monotonic() - answered[node] < sup.head_lost_s, f"{node}'s agent silent past head_lost_s"
+                pass
         for node, st in states.items():
             assert st["state"] == "serving", st          # never declared dead while busy
         if "local-head" in states:
@@ -88,8 +89,12 @@ def test_saturation_for_longer_than_three_liveness_windows_loses_nothing(local_p
     assert seen_waiting > 0, "the queue never filled: not a saturation"
     assert results and set(results) == {"ok"}, [r for r in results if r != "ok"][:5]
     assert "progress" in proofs
-    head = local_pair.state("local-head")
-    assert head["vllm_pid"] == head0["vllm_pid"] and head["started_at"] == head0["started_at"]
+    assert min(reads.values()) >= 3, reads               # the answers above say something
+    for node, st in before.items():
+        now = local_pair.state(node)
+        assert now["state"] == "serving", now
+        assert (now["vllm_pid"], now["started_at"], now["restarts"]) == (st["vllm_pid"], st["started_at"],
+                                                                        st["restarts"]), (node, st, now)
 
 
 def vllm_group(pair, node: str) -> int:
