@@ -25,6 +25,7 @@ from ..config import Cluster
 from ..http import HTTPFailure, request
 from .. import hardware
 from . import rates
+from .snapshot_model import UNREACHABLE
 from ..vllm_metrics import MetricsError, Scrape, parse
 
 SCHEMA_VERSION = 1
@@ -215,13 +216,13 @@ class Collector:
         if s is not None:
             state, detail, holds = s["state"], s.get("detail", ""), s
         elif mem.last_ok is None:
-            state, detail = "unreachable", f"agent {t.agent_url} has not answered"
+            state, detail = UNREACHABLE, f"agent {t.agent_url} has not answered"
         elif last.get("state") in (A.STOPPING, A.STOPPED):
             state, detail = A.STOPPED, f"agent gone after it reported {last.get('state')}"
         elif lost := is_lost(answer, last, silent, LOST_AFTER_S):
             state, detail = A.FAILED, lost
         else:
-            state, detail, holds = last.get("state", "unreachable"), "agent did not answer this round", last
+            state, detail, holds = last.get("state", UNREACHABLE), "agent did not answer this round", last
         if isinstance(last.get("hardware"), dict):
             hw, source = last["hardware"], "agent"
         elif t.name == self.targets.local_node:

@@ -12,9 +12,11 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+from .. import states as S
 from ..typecheck import about, json_schema
 
 SCHEMA_ID = "dspark-dashboard-snapshot-v1"
+UNREACHABLE = "unreachable"  # a node state of the dashboard's own: an agent that never answered
 
 
 @dataclass
@@ -160,7 +162,7 @@ class Vllm:
 class Liveness:
     ok: bool = about()
     proof: Literal["progress", "probe"] | None = about()
-    proof_age_s: float | None = about("", minimum=0)
+    proof_age_s: float | None = about(minimum=0)
     proof_detail: str = about()
 
 
@@ -169,7 +171,7 @@ class Gpu:
     name: str | None = about()
     temperature_c: float | None = about("GPU temperature, °C")
     power_w: float | None = about("board power, W", minimum=0)
-    utilization_pct: float | None = about("", minimum=0, maximum=100)
+    utilization_pct: float | None = about(minimum=0, maximum=100)
 
 
 @dataclass
@@ -184,18 +186,19 @@ class Hardware:
 @dataclass
 class Node:
     name: str = about()
-    rank: int = about("", minimum=0)
+    rank: int = about(minimum=0)
     role: Literal["head", "worker"] = about()
     agent_url: str = about()
     reachable: bool = about("the agent answered this round")
-    state: Literal["starting", "rendezvous", "loading", "warming", "serving", "stopping", "stopped", "failed", "unreachable"] = about(
+    state: str = about(
         "the agent's state; 'failed' also when an agent that answered before has been silent for 2 s "
-        "or more (its supervisor exited); 'unreachable' when it never answered")
+        "or more (its supervisor exited); 'unreachable' when it never answered",
+        enum=[*S.STATES, UNREACHABLE])
     detail: str = about()
     silent_s: float | None = about(
         "seconds since the agent last answered (0 when it answered this round; null if never)",
         minimum=0)
-    restarts: int | None = about("", minimum=0)
+    restarts: int | None = about(minimum=0)
     vllm_pid: int | None = about()
     vllm_version: str | None = about()
     runtime_line: str | None = about(

@@ -399,7 +399,7 @@ def _compare(name: str, peer: str, mine: dict, theirs: dict, runtime: bool = Tru
         ("runtime", "vllm_sources_sha256", "vLLM sources (version and overlay)", "install the same runtime on every "
          "node (the same flake revision, or `dspark overlay apply` on both)"),
     ]
-    for short, key, what, fix in rows if runtime else rows[:2]:
+    for short, key, what, fix in (r for r in rows if runtime or r[0] != "runtime"):
         a, b = mine.get(key), theirs.get(key)
         label = f"{name}.{short}"
         if a is None or b is None:
