@@ -13,6 +13,8 @@ import urllib.parse
 import pytest
 
 from pairlib import run_dspark
+from dspark import http
+from dspark import vllm_facts as F
 from dspark.bench import decode, prefill, prompts
 from dspark.bench.client import Target, scrape, stream_completion
 from dspark.bench.metrics import window
@@ -138,26 +140,77 @@ def test_prefill_reports_reproduce_and_compare(local_pair, tmp_path):
     assert c.returncode == 3 and "prompt fingerprints differ" in c.stderr and "Traceback" not in c.stderr
 
 
+class HeldRequest:
+    """A long streamed completion that stays in the server until `release()`: its thread reads
+    the first chunk (the request is then running), holds the stream open, and closes it when
+    released, which makes vLLM abort the request. Its length does not decide whether it is
+    still running when the test looks (a short one can finish between two scrapes on a loaded
+    host, and then overlaps nothing)."""
+
+    def __init__(self, target: Target, prompt, max_tokens: int):
+        self.started, self.released = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        body = {"model": MODEL, "prompt": list(prompt.token_ids), "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}
+        self.thread = threading.Thread(target=self._hold, args=(target.endpoint(F.COMPLETIONS), body),
+                                       daemon=True)
+        self.thread.start()
+
+    def _hold(self, url, body):
+        try:
+            with http.stream(url, data=body, timeout=120) as resp:
+                assert resp.status == 200, resp.status
+                lines = resp.lines()  # held: closing this generator would close the connection
+                for line in lines:
+                    if line.strip().startswith(b"data:"):
+                        break
+                self.started.set()
+                self.released.wait(300)
+        except BaseException as e:  # reported by release()
+            self.error = e
+            self.started.set()
+
+    def release(self):
+        self.released.set()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive() and self.error is None, self.error
+
+
+def wait_idle(target: Target, timeout_s: float = 120):
+    """Until the server runs and queues nothing (the liveness probe's 1-token completions
+    come and go)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = scrape(target, MODEL)
+        if not m.gauge("vllm:num_requests_running") and not m.gauge("vllm:num_requests_waiting"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the server was still busy after {timeout_s} s")
+
+
 def test_a_request_during_a_prefill_trial_is_an_overlap(local_pair):
     target = Target(local_pair.api_url, MODEL)
-    background: list[threading.Thread] = []
+    held: list[HeldRequest] = []
 
     def meddle(role, length, index):
-        for t in background:
-            t.join(timeout=60)
+        while held:
+            held.pop().release()
+            wait_idle(target)
         if (role, length, index) == ("trial", 256, 0):
-            p = prompts.make(102, "meddler", 64)
-            t = threading.Thread(target=stream_completion, args=(target, MODEL, p.token_ids, 48))
-            t.start()
-            background.append(t)
-            deadline = time.monotonic() + 10
-            while not scrape(target, MODEL).gauge("vllm:num_requests_running") and time.monotonic() < deadline:
-                time.sleep(0.02)
+            h = HeldRequest(target, prompts.make(102, "meddler", 64), max_tokens=2048)
+            held.append(h)
+            assert h.started.wait(120) and h.error is None, h.error
+            deadline = time.monotonic() + 60
+            while not scrape(target, MODEL).gauge("vllm:num_requests_running"):
+                assert time.monotonic() < deadline, "the held request never showed as running"
+                time.sleep(0.05)
 
     spec = prefill.PrefillSpec(lengths=(128, 256), trials=2, seed=9)
-    report = prefill.run(target, spec, before_request=meddle)
-    for t in background:
-        t.join(timeout=60)
+    try:
+        report = prefill.run(target, spec, before_request=meddle)
+    finally:
+        for h in held:
+            h.release()
     hit = next(t for t in report.trials if (t.role, t.length, t.index) == ("trial", 256, 0))
     assert hit.overlap and hit.server_prefill_tok_s is None and not hit.server_valid
     assert any("running or waiting" in n for n in hit.notes)
