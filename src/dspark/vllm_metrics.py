@@ -208,7 +208,8 @@ class Window:
     seconds: float                        # between the scrapes (client clock)
 
 
-def _busy(s: Snapshot) -> float | None:
+def busy(s: Snapshot) -> float | None:
+    """Requests running plus waiting at one scrape; None if the server reports neither."""
     run, wait = s.gauge(F.RUNNING), s.gauge(F.WAITING)
     if run is None and wait is None:
         return None
@@ -233,8 +234,8 @@ def window(before: Snapshot, after: Snapshot) -> Window:
         spec_drafts=c(F.SPEC_DRAFTS),
         spec_draft_tokens=c(F.SPEC_DRAFT_TOKENS),
         spec_accepted_tokens=c(F.SPEC_ACCEPTED_TOKENS),
-        busy_before=_busy(before),
-        busy_after=_busy(after),
+        busy_before=busy(before),
+        busy_after=busy(after),
         seconds=after.taken_at - before.taken_at,
     )
 

@@ -16,8 +16,9 @@ from pairlib import run_dspark
 from dspark import http
 from dspark import vllm_facts as F
 from dspark.bench import decode, prefill, prompts
-from dspark.bench.client import Target, scrape, stream_completion
+from dspark.bench.client import Target, completion_body, scrape, stream_completion
 from dspark.bench.metrics import window
+from dspark.vllm_metrics import busy
 from dspark.bench.report import Report
 
 pytestmark = pytest.mark.pair
@@ -150,8 +151,7 @@ class HeldRequest:
     def __init__(self, target: Target, prompt, max_tokens: int):
         self.started, self.released = threading.Event(), threading.Event()
         self.error: BaseException | None = None
-        body = {"model": MODEL, "prompt": list(prompt.token_ids), "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "stream": True}
+        body = completion_body(MODEL, prompt.token_ids, max_tokens)
         self.thread = threading.Thread(target=self._hold, args=(target.endpoint(F.COMPLETIONS), body),
                                        daemon=True)
         self.thread.start()
@@ -181,8 +181,7 @@ def wait_idle(target: Target, timeout_s: float = 120):
     come and go)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        m = scrape(target, MODEL)
-        if not m.gauge("vllm:num_requests_running") and not m.gauge("vllm:num_requests_waiting"):
+        if not busy(scrape(target, MODEL)):
             return
         time.sleep(0.1)
     raise AssertionError(f"the server was still busy after {timeout_s} s")
@@ -201,7 +200,7 @@ def test_a_request_during_a_prefill_trial_is_an_overlap(local_pair):
             held.append(h)
             assert h.started.wait(120) and h.error is None, h.error
             deadline = time.monotonic() + 60
-            while not scrape(target, MODEL).gauge("vllm:num_requests_running"):
+            while not scrape(target, MODEL).gauge(F.RUNNING):
                 assert time.monotonic() < deadline, "the held request never showed as running"
                 time.sleep(0.05)
 

@@ -171,14 +171,11 @@ def new_cache_salt() -> str:
     return secrets.token_urlsafe(32)
 
 
-def stream_completion(target: Target, model: str, prompt: list[int] | tuple[int, ...], max_tokens: int,
-                      *, ignore_eos: bool = True, temperature: float = 0.0,
-                      cache_salt: str | None = None) -> StreamResult:
-    """POST a token-id prompt to /v1/completions with stream=true and time every chunk.
-    The whole request, stream included, must end within target.timeout_s. `cache_salt`
-    (vLLM's request field) keys the prompt's prefix-cache blocks: a run with a salt of its
-    own never reuses the blocks an earlier run of the same prompts left behind."""
-    where = target.endpoint(F.COMPLETIONS)
+def completion_body(model: str, prompt: list[int] | tuple[int, ...], max_tokens: int, *, ignore_eos: bool = True,
+                    temperature: float = 0.0, cache_salt: str | None = None) -> dict:
+    """The JSON body of a streamed token-id completion. `cache_salt` (vLLM's request field)
+    keys the prompt's prefix-cache blocks: a run with a salt of its own never reuses the
+    blocks an earlier run of the same prompts left behind."""
     body = {
         "model": model,
         "prompt": list(prompt),
@@ -190,6 +187,17 @@ def stream_completion(target: Target, model: str, prompt: list[int] | tuple[int,
     }
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    return body
+
+
+def stream_completion(target: Target, model: str, prompt: list[int] | tuple[int, ...], max_tokens: int,
+                      *, ignore_eos: bool = True, temperature: float = 0.0,
+                      cache_salt: str | None = None) -> StreamResult:
+    """POST a token-id prompt to /v1/completions with stream=true (completion_body) and time
+    every chunk. The whole request, stream included, must end within target.timeout_s."""
+    where = target.endpoint(F.COMPLETIONS)
+    body = completion_body(model, prompt, max_tokens, ignore_eos=ignore_eos, temperature=temperature,
+                           cache_salt=cache_salt)
     max_lines = MAX_LINES_PER_TOKEN * max_tokens + MAX_EXTRA_LINES
     result = StreamResult(started=time.perf_counter())
     try:
