@@ -80,30 +80,37 @@ def score(report) -> float | None:
     return math.exp(sum(math.log(v) for v in vals) / len(vals))
 
 
+def _gmean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
 def judge(before: list, after: list, min_band: float = MIN_BAND) -> Verdict:
     """Kept or not, from the reports of the runs on the old line and on the new one (the same
-    workload each time): each side's score is the mean of its runs' scores; the noise band is
-    twice the largest relative deviation of any run from its side's mean (at least `min_band`);
-    the new line regresses when its score is below the old line's by more than the band."""
+    workload each time). Throughput noise is a factor, not a difference, so everything is on the
+    log scale: each side's score is the geometric mean of its runs' scores; the noise band is
+    twice the largest log-distance of any run from its side's score (at least the band of a
+    `min_band` drop), given as the drop it allows (for two runs: 1 - slower/faster); the new line
+    regresses when its score is below the old line's by more than the band. The band stays below
+    100 %: runs however far apart never make every drop look like noise."""
     before_scores = [score(r) for r in before]
     if not before_scores or any(s is None for s in before_scores):
         return Verdict(False, "the benchmark on the old line measured nothing")
     scores = cast("list[float]", before_scores)  # none is None: checked just above
-    mean = sum(scores) / len(scores)
+    old = _gmean(scores)
     failed = next((r for r in after if r.error or score(r) is None), None)
     if not after or failed is not None:
         why = failed.error if failed is not None and failed.error else "nothing measured"
-        return Verdict(False, f"the benchmark failed on the new line: {why}", mean, None, None, None)
+        return Verdict(False, f"the benchmark failed on the new line: {why}", old, None, None, None)
     news = cast("list[float]", [score(r) for r in after])  # none is None: `failed` is None
-    a = sum(news) / len(news)
-    spread = max([abs(s / mean - 1) for s in scores] + [abs(s / a - 1) for s in news])
-    band = max(min_band, 2 * spread)
-    gain = a / mean - 1
+    new = _gmean(news)
+    spread = max([abs(math.log(s / old)) for s in scores] + [abs(math.log(s / new)) for s in news])
+    band = 1 - math.exp(-max(-math.log(1 - min_band), 2 * spread)) if min_band < 1 else 1.0
+    gain = new / old - 1
     if gain < -band:
-        return Verdict(False, f"regression: score {a:.1f} tok/s vs {mean:.1f} ({gain:+.1%}), beyond the noise "
-                              f"band of {band:.1%}", mean, a, gain, band)
-    return Verdict(True, f"score {a:.1f} tok/s vs {mean:.1f} ({gain:+.1%}), within the noise band of {band:.1%} "
-                         "or better", mean, a, gain, band)
+        return Verdict(False, f"regression: score {new:.1f} tok/s vs {old:.1f} ({gain:+.1%}), beyond the noise "
+                              f"band of {band:.1%}", old, new, gain, band)
+    return Verdict(True, f"score {new:.1f} tok/s vs {old:.1f} ({gain:+.1%}), within the noise band of {band:.1%} "
+                         "or better", old, new, gain, band)
 
 
 def read_history(state_dir: Path) -> list[dict]:
@@ -331,8 +338,8 @@ class Switcher:
                 verdict = Verdict(False, why)
             rec.band, rec.gain = verdict.band, verdict.gain
             if verdict.band is not None:
-                self.say(f"noise band {verdict.band:.1%} (twice the largest deviation of a run from its line's mean, "
-                         f"{len(before)} runs on each line)")
+                self.say(f"noise band {verdict.band:.1%} (the largest drop within the noise: twice the largest factor "
+                         f"between a run and its line's geometric mean; {len(before)} runs on each line)")
             if verdict.kept:
                 rec.verdict, rec.reason, rec.serving_on = "kept", verdict.reason, to
                 self._set_line(to, None)
