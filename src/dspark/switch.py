@@ -72,26 +72,26 @@ class Record:
     ended_at: float | None = None
 
 
+def _gmean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
 def score(report) -> float | None:
     """One figure for a decode report: the geometric mean of its levels' aggregate tok/s."""
     vals = [s.aggregate_tok_s for s in report.summary]
     if not vals or any(v is None or not math.isfinite(v) or v <= 0 for v in vals):
         return None
-    return math.exp(sum(math.log(v) for v in vals) / len(vals))
-
-
-def _gmean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+    return _gmean(vals)
 
 
 def judge(before: list, after: list, min_band: float = MIN_BAND) -> Verdict:
     """Kept or not, from the reports of the runs on the old line and on the new one (the same
     workload each time). Throughput noise is a factor, not a difference, so everything is on the
     log scale: each side's score is the geometric mean of its runs' scores; the noise band is
-    twice the largest log-distance of any run from its side's score (at least the band of a
-    `min_band` drop), given as the drop it allows (for two runs: 1 - slower/faster); the new line
-    regresses when its score is below the old line's by more than the band. The band stays below
-    100 %: runs however far apart never make every drop look like noise."""
+    twice the largest log-distance of any run from its side's score, given as the drop it allows
+    (for two runs: 1 - slower/faster), and at least `min_band`; the new line regresses when its
+    score is below the old line's by more than the band. A measured band stays below 100 %: runs
+    however far apart never make every drop look like noise."""
     before_scores = [score(r) for r in before]
     if not before_scores or any(s is None for s in before_scores):
         return Verdict(False, "the benchmark on the old line measured nothing")
@@ -104,7 +104,7 @@ def judge(before: list, after: list, min_band: float = MIN_BAND) -> Verdict:
     news = cast("list[float]", [score(r) for r in after])  # none is None: `failed` is None
     new = _gmean(news)
     spread = max([abs(math.log(s / old)) for s in scores] + [abs(math.log(s / new)) for s in news])
-    band = 1 - math.exp(-max(-math.log(1 - min_band), 2 * spread)) if min_band < 1 else 1.0
+    band = max(min_band, 1 - math.exp(-2 * spread))
     gain = new / old - 1
     if gain < -band:
         return Verdict(False, f"regression: score {new:.1f} tok/s vs {old:.1f} ({gain:+.1%}), beyond the noise "
