@@ -20,6 +20,27 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
+# Where every real vLLM start-up of a run is recorded, one JSON line each (.ci/run sets it and
+# prints the total): `record_start_ups` is called by what starts real vLLM pairs and rings.
+START_UPS_ENV = "DSPARK_TEST_START_UPS"
+HEAD_STARTS_VLLM = "starting vLLM: "  # the head supervisor's line for each vLLM it starts
+
+
+def count_head_starts(head_log: str) -> int:
+    """How many times a head's supervisor started vLLM, read off its own log (or journal): the
+    first start, each restart, each switch and each rollback all say it."""
+    return sum(1 for line in head_log.splitlines() if HEAD_STARTS_VLLM in line)
+
+
+def record_start_ups(what: str, head_starts: int, nodes: int = 2) -> int:
+    """Record `head_starts` real start-ups of a `nodes`-node vLLM appliance (a ring of four counts
+    as two pairs) in the file $DSPARK_TEST_START_UPS names (nothing when unset); the pairs counted."""
+    pairs = head_starts * max(1, nodes // 2)
+    target = os.environ.get(START_UPS_ENV)
+    if target and pairs:
+        with open(target, "a") as f:
+            f.write(json.dumps({"what": what, "head_starts": head_starts, "nodes": nodes, "pairs": pairs}) + "\n")
+    return pairs
 
 
 def dspark_cmd(*args: str) -> list[str]:
@@ -120,6 +141,7 @@ class PairHandle:
     output: Path
     nodes: int = 2
     groups: set = field(default_factory=set)  # vLLM process groups a test saw: swept at teardown
+    recorded: bool = False  # its start-ups are recorded once, at its stop
 
     @property
     def names(self) -> list[str]:
@@ -148,6 +170,8 @@ class PairHandle:
         return self.output.read_text(errors="replace")
 
     def stop(self, timeout: float = 60) -> int:
+        """Ctrl-C, as a user stops it (SIGKILL of its group after `timeout`); its real vLLM start-ups
+        (every start the head's log records, switches and rollbacks included) are recorded once."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -155,7 +179,20 @@ class PairHandle:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
+        if not self.recorded:
+            self.recorded = True
+            record_start_ups(f"local {self.nodes}-node appliance in {self.workdir}",
+                             count_head_starts(self.head_log()), self.nodes)
         return self.proc.returncode
+
+    def head_log(self) -> str:
+        """The head supervisor's log under `local up` (empty before it has one)."""
+        from dspark.local import node_name
+
+        try:
+            return (self.workdir / "logs" / f"{node_name(0)}.log").read_text(errors="replace")
+        except OSError:
+            return ""
 
 
 def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2, line: str | None = None,
