@@ -12,6 +12,12 @@ Behaviour is chosen with STANDIN_* environment variables:
   STANDIN_STALL_AFTER  after this many seconds the engine stops making progress (a wedged
                        collective): running requests never finish, queued ones never start,
                        /health still answers and /metrics keeps showing the values of that moment
+  STANDIN_COLLECTIVE_S (with --nnodes) the ranks share a collective, as vLLM's do: each headless
+                       rank stays connected to the head's rendezvous port and sends a beat every
+                       0.1 s; the head's engine stalls (as with STANDIN_STALL_AFTER) once a connected
+                       rank has been silent this many seconds (its vLLM SIGSTOPped: a wedged worker).
+                       A rank whose connection closes just leaves it (its death is the supervisors'
+                       to find). Meant for the cluster file's serving.env, which every rank gets.
 The API serves /metrics with vLLM's own metric names for the requests it ran.
 """
 
@@ -47,6 +53,52 @@ def arg(flag, default=None):
     return argv[argv.index(flag) + 1] if flag in argv else default
 
 
+# STANDIN_COLLECTIVE_S: when each connected rank was last heard (by connection), on the head.
+peers_heard: dict = {}
+peers_lock = threading.Lock()
+
+
+def beat(conn) -> None:
+    """A headless rank's part of the collective: a beat every 0.1 s while the head listens."""
+    try:
+        while True:
+            conn.sendall(b".")
+            time.sleep(0.1)
+    except OSError:
+        return
+
+
+def collective_listen(conn) -> None:
+    key = id(conn)
+    with peers_lock:
+        peers_heard[key] = time.monotonic()
+    try:
+        while conn.recv(4096):
+            with peers_lock:
+                peers_heard[key] = time.monotonic()
+    except OSError:
+        pass
+    with peers_lock:  # closed: the rank left the collective
+        peers_heard.pop(key, None)
+
+
+def collective_accept(store) -> None:
+    while True:
+        try:
+            conn, _ = store.accept()
+        except OSError:
+            return
+        threading.Thread(target=collective_listen, args=(conn,), daemon=True).start()
+
+
+def collective_silent() -> bool:
+    """A connected rank silent for STANDIN_COLLECTIVE_S (never without that variable)."""
+    limit = float(env.get("STANDIN_COLLECTIVE_S") or "inf")
+    now = time.monotonic()
+    with peers_lock:
+        return any(now - heard > limit for heard in peers_heard.values())
+
+
 log("Launching vLLM (v0.28.0-standin) " + ("headless multiproc executor" if "--headless" in argv else "API server"))
 master = (arg("--master-addr"), int(arg("--master-port", "0")))
 log(f"world_size=2 rank=0 distributed_init_method=tcp://{master[0]}:{master[1]} backend=gloo")
@@ -58,12 +110,18 @@ if "--nnodes" in argv:
     if "--headless" in argv:
         while True:
             try:
-                socket.create_connection(master, timeout=0.5).close()
+                conn = socket.create_connection(master, timeout=0.5)
                 break
             except OSError:
                 time.sleep(0.1)
+        if env.get("STANDIN_COLLECTIVE_S"):
+            threading.Thread(target=beat, args=(conn,), daemon=True).start()
+        else:
+            conn.close()
     else:
         store = socket.create_server(master)
+        if env.get("STANDIN_COLLECTIVE_S"):
+            threading.Thread(target=collective_accept, args=(store,), daemon=True).start()
 log("Starting to load model")
 time.sleep(float(env.get("STANDIN_READY_DELAY", "0.3")))
 log("Warming up model for the compilation...")
@@ -80,8 +138,9 @@ class Engine:
         self.frozen = None
 
     def stalled(self) -> bool:
-        if time.monotonic() < self.stall_at:
+        if time.monotonic() < self.stall_at and not collective_silent():
             return False
+        self.stall_at = min(self.stall_at, time.monotonic())  # a wedge, once seen, stays
         with self.lock:
             if self.frozen is None:
                 self.frozen = dict(self.c)
