@@ -181,7 +181,7 @@ class PairHandle:
                 self.proc.wait(timeout=10)
         if not self.recorded:
             self.recorded = True
-            record_start_ups(f"local {self.nodes}-node appliance in {self.workdir}",
+            record_start_ups(f"local up, {self.nodes} nodes: {self.workdir.parent.name}/{self.workdir.name}",
                              count_head_starts(self.head_log()), self.nodes)
         return self.proc.returncode
 

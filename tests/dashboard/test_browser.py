@@ -1,11 +1,10 @@
-"""The page in Debian's headless Chromium against the real local pair under a bounded load."""
+"""The page in Debian's headless Chromium against the real local pair (the shared one) under a bounded
+load. A worker killed shows failed within 5 s: tests/test_no_orphans.py, on the pair that kill breaks."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import signal
 import time
 
 import pytest
@@ -124,19 +123,3 @@ def test_unavailable_metrics_shown_then_recovered(local_pair, browser, metrics_s
     finally:
         srv.stop()
         col.stop()
-
-
-def test_killed_worker_shows_failed_within_5_s(fresh_pair, dashboard_of, browser, artifacts_dir):
-    dash = dashboard_of(fresh_pair)
-    browser.get(dash.url)
-    wait_for(browser, lambda p: p["nodes"].get("local-worker", {}).get("state") == "serving", timeout=20)
-    pid = fresh_pair.state("local-worker")["vllm_pid"]
-    assert pid
-    t0 = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    page = wait_for(browser, lambda p: p["nodes"]["local-worker"]["state"] == "failed", timeout=15, poll=0.1)
-    elapsed = time.monotonic() - t0
-    browser.save_screenshot(str(artifacts_dir / "dashboard-worker-failed.png"))
-    assert elapsed <= 5.0, f"the page showed the worker failed after {elapsed:.1f} s"
-    assert page["pair"] == "NOT SERVING"
-    print(f"worker shown failed {elapsed:.2f} s after SIGKILL; detail: {page['nodes']['local-worker']['detail']}")
