@@ -1,6 +1,8 @@
-"""Shared fixtures. The real local vLLM pair is started once per test run (`local_pair`);
-tests that break a pair on purpose take a `fresh_pair` of their own. Helpers live in
-pairlib.py (a module of its own name: test folders have conftest.py files of their own)."""
+"""Shared fixtures. The real local vLLM pair is started once per pytest session (`local_pair`)
+and shared by every test that does not change it; a test that must change its pair (a kill, a
+stop) takes a `fresh_pair` of its own and says why in one line. Every real start-up is recorded
+(pairlib.record_start_ups) and .ci/run prints the count. Helpers live in pairlib.py (a module of
+its own name: test folders have conftest.py files of their own)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ def local_ring(tmp_path_factory):
 
 @pytest.fixture
 def fresh_pair(tmp_path):
-    """A pair of this test's own, for tests that kill or stop a node."""
+    """A pair of this test's own, for a test that kills or stops it (two use it: the drain's
+    Ctrl-C, tests/test_drain.py; the kill -9 of a vLLM, tests/test_no_orphans.py)."""
     yield from _pair_fixture(tmp_path / "pair")
 
 
