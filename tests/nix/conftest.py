@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 
-# Local places a checkout of nix-community/nixpkgs.lib is looked for, unless $DSPARK_NIXPKGS_LIB is set.
-NIXPKGS_LIB_CANDIDATES = [Path("/tmp/nixpkgs.lib/lib"), Path("/opt/nixpkgs.lib/lib")]
+REPO = Path(__file__).resolve().parents[2]
+# Places the lib/ directory of nix-community/nixpkgs.lib is looked for, in order, unless
+# $DSPARK_NIXPKGS_LIB is set: first shared/ beside the repository root (where CI's fresh clone
+# sits too, shared/nixpkgs.lib/SOURCE says which release), then local checkouts.
+NIXPKGS_LIB_CANDIDATES = [REPO.parent / "shared" / "nixpkgs.lib" / "lib",
+                          Path("/tmp/nixpkgs.lib/lib"), Path("/opt/nixpkgs.lib/lib")]
 
 
 @pytest.fixture(scope="session")
