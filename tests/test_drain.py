@@ -9,7 +9,6 @@ helpers of test_node_policy.py."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -24,7 +23,7 @@ from dspark import local as L
 from dspark.node_policy import EXIT_DIED, EXIT_OK, Events
 from dspark.vllm_facts import RUNNING
 from dspark.vllm_metrics import parse_samples
-from test_no_orphans import alive, run_of, supervisor_pid, wait_until
+from test_no_orphans import run_of, wait_until
 from test_node_policy import agent, exit_of, good_probe, head_peer, kinds, policy, state_of, worker_peer
 
 IN_FLIGHT = 6
