@@ -1,10 +1,11 @@
 """nix/replay-runtime.py: the runtime's build replayed on the real locked wheels, without nixpkgs.
 
-The wheels are about 4 GB, so these tests run only where they are already cached
-($DSPARK_WHEEL_CACHE, else the replay's default cache directory; fill it with
-`python3 nix/replay-runtime.py`). Each failure the Nix build had is reproduced on the wheels
-involved with the build data it had (runtime-build.json before the fix), and shown gone with
-the data as it is now. The small tests at the end run everywhere, on wheels they build.
+Each failure the Nix build had is reproduced on the wheels involved with the build data it had
+(runtime-build.json before the fix), and shown gone with the data as it is now. Those wheels
+(tests/nix/replay_wheels.py's sets, about 2.7 GB) are fetched by .ci/setup into
+$DSPARK_WHEEL_CACHE, else the replay's default cache directory. The full replay needs every
+locked wheel (about 3.9 GB, `python3 nix/replay-runtime.py` fills the cache) and runs only where
+they are cached. The small tests at the end run everywhere, on wheels they build.
 """
 
 from __future__ import annotations
@@ -19,31 +20,28 @@ from pathlib import Path
 
 import pytest
 
-from nix_support import REPO, load_script
+from nix_support import REPO
+from replay_wheels import BUILD, BY_NAME, CACHE, SETS, TORCHCODEC, WHEELS, rr, wheels_of
 
 pytestmark = pytest.mark.nix
 
 
-rr = load_script("replay_runtime", "nix/replay-runtime.py")
-WHEELS, BUILD = rr.load_plan()
-BY_NAME = {w.name: w for w in WHEELS}
-CACHE = Path(os.environ.get("DSPARK_WHEEL_CACHE") or rr.DEFAULT_CACHE)
-
-
 def cached(*names: str) -> list:
-    """The locked wheels of these packages, skipping the test unless all are in the cache."""
-    wheels = [BY_NAME[n] if n in BY_NAME else rr.Wheel(n, "", "", "") for n in names]
-    missing = [w.name for w in wheels if not w.filename or not (CACHE / w.filename).is_file()]
+    """The locked wheels of these packages (in the lock's order), skipping the test unless all
+    are in the cache."""
+    wheels = wheels_of(*names)
+    missing = [w.name for w in wheels if not (CACHE / w.filename).is_file()]
     if missing:
         pytest.skip(f"locked wheels not cached in {CACHE} ({', '.join(missing)}); fetch them with "
-                    f"`python3 nix/replay-runtime.py --cache {CACHE}` (about 4 GB) or set DSPARK_WHEEL_CACHE")
+                    f"`.venv/bin/python tests/nix/replay_wheels.py` (.ci/setup does) or set DSPARK_WHEEL_CACHE")
     return wheels
 
 
 def installer() -> Path:
     path = CACHE / rr.installer_wheel(BUILD).filename
     if not path.is_file():
-        pytest.skip(f"installer {BUILD['installer']['version']} not cached in {CACHE}")
+        pytest.skip(f"installer {BUILD['installer']['version']} not cached in {CACHE}; fetch it with "
+                    f"`.venv/bin/python tests/nix/replay_wheels.py` (.ci/setup does)")
     return path
 
 
@@ -60,7 +58,7 @@ def clean_env() -> dict:
 
 
 def test_build_backend_clash_reproduced_and_fixed(tmp_path):
-    wheels = cached("flashinfer-python", "torch-c-dlpack-ext")
+    wheels = cached(*SETS["build_backend.py clash"])
     clashes = rr.find_clashes(wheels, CACHE, before_the_fix())
     assert clashes == ["build_backend.py: installed by flashinfer-python and torch-c-dlpack-ext"]
     # installer itself refuses, as it did in the Nix build.
@@ -71,7 +69,7 @@ def test_build_backend_clash_reproduced_and_fixed(tmp_path):
 
 
 def test_nvshmem_plugins_needing_mpi_ucx_libfabric_reproduced_and_fixed(tmp_path):
-    wheels = cached("nvidia-nvshmem-cu13")
+    wheels = cached(*SETS["NVSHMEM"])
     old = tmp_path / "old"
     assert rr.install(old, wheels, CACHE, before_the_fix(), installer(), log=lambda _: None) == []
     missing = {line.rsplit(": ", 1)[1] for line in rr.unresolved_needed(rr.elf_objects(old), old, BUILD)}
@@ -90,19 +88,18 @@ def test_torchcodec_needs_ffmpeg_and_is_left_out(tmp_path):
     assert "torchcodec" not in BY_NAME
     lock = json.loads((REPO / "nix/runtime-lock.json").read_text())
     assert "torchcodec" in lock["excluded"]
-    wheel = next((p for p in CACHE.glob("torchcodec-*.whl")), None) if CACHE.is_dir() else None
-    if wheel is None:
-        pytest.skip(f"no torchcodec wheel cached in {CACHE} to show why it is left out")
+    if not (CACHE / TORCHCODEC.filename).is_file():
+        pytest.skip(f"torchcodec {TORCHCODEC.version} not cached in {CACHE} to show why it is left out; fetch it "
+                    f"with `.venv/bin/python tests/nix/replay_wheels.py` (.ci/setup does)")
     prefix = tmp_path / "tc"
-    errors = rr.install(prefix, [rr.Wheel("torchcodec", "", wheel.name, "")], CACHE, BUILD, installer(),
-                        log=lambda _: None)
+    errors = rr.install(prefix, [TORCHCODEC], CACHE, BUILD, installer(), log=lambda _: None)
     assert errors == []
     missing = {line.rsplit(": ", 1)[1] for line in rr.unresolved_needed(rr.elf_objects(prefix), prefix, BUILD)}
     assert "libavcodec.so.60" in missing and "libheif.so.1" in missing
 
 
 def test_cutlass_dsl_pth_reproduced_with_pythonpath_and_fixed_by_the_venv(tmp_path):
-    wheels = cached("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-core")
+    wheels = cached(*SETS["CUTLASS DSL"])
     prefix = tmp_path / "rt"
     assert rr.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
     site = rr.site_packages(prefix)
@@ -114,7 +111,7 @@ def test_cutlass_dsl_pth_reproduced_with_pythonpath_and_fixed_by_the_venv(tmp_pa
 
 
 def test_strip_misaligns_openblas_and_gfortran_reproduced_and_fixed(tmp_path):
-    wheels = cached("numpy")
+    wheels = cached(*SETS["numpy"])
     if rr.strip_tool() is None:
         pytest.skip("no aarch64 strip (apt-get install binutils-aarch64-linux-gnu)")
     prefix = tmp_path / "np"
@@ -128,9 +125,70 @@ def test_strip_misaligns_openblas_and_gfortran_reproduced_and_fixed(tmp_path):
     assert rr.strip_breaks(elves, prefix, BUILD) == []
 
 
+def test_torch_and_the_cuda_libraries_it_loads_resolve_at_run_time(tmp_path):
+    """torch with the CUDA libraries its requirements pull in (cuBLAS, cuDNN, cuSPARSELt, NCCL,
+    NVSHMEM, ...): every DT_NEEDED resolves, and every library one of them loads by name at run
+    time is found as the Nix build leaves it. Each entry of runtime-build.json that makes it so is
+    shown needed: without it, the loads it answers are unresolved."""
+    wheels = cached(*SETS["torch"])
+    prefix = tmp_path / "torch"
+    assert rr.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+    elves = rr.elf_objects(prefix)
+    assert rr.unresolved_needed(elves, prefix, BUILD) == []
+
+    def unresolved(build: dict) -> set[str]:
+        # "lib/pythonX.Y/site-packages/nvidia/...: libfoo.so" -> "nvidia/...: libfoo.so"
+        return {u.split("site-packages/", 1)[1] for u in rr.check_runtime_loads(elves, prefix, build).unresolved}
+
+    now = rr.check_runtime_loads(elves, prefix, BUILD)
+    assert now.unresolved == []
+    resolved = {r.split("site-packages/", 1)[1] for r in now.resolved}
+    site = rr.site_packages(prefix).relative_to(prefix)
+    assert {f"nvidia/cudnn/lib/libcudnn.so.9: libcudnn_graph.so -> {site}/nvidia/cudnn/lib",
+            "nvidia/nccl/lib/libnccl.so.2: libibverbs.so.1 / libibverbs.so -> nixpkgs rdma-core",
+            "torch/lib/libtorch_cuda.so: libibverbs.so.1 -> nixpkgs rdma-core",
+            "nvidia/nvshmem/lib/libnvshmem_host.so.3: libnccl.so.2 -> already loaded (preloaded)"} <= resolved
+    assert now.driver and now.absent  # libcuda and friends from the host; the deliberately absent ones
+
+    cudnn_subs = {f"nvidia/cudnn/lib/libcudnn.so.9: libcudnn_{n}.so" for n in ("adv", "cnn", "graph", "ops")} | {
+        f"nvidia/cudnn/lib/libcudnn_graph.so.9: libcudnn_{n}.so"
+        for n in ("engines_precompiled", "engines_runtime_compiled", "heuristic")}
+    # cuDNN asks for its sub-libraries without the version and appends ".9" (dlopen_versioned).
+    assert unresolved(dict(BUILD, dlopen_versioned=[])) == cudnn_subs
+    # autoPatchelf drops the wheels' own $ORIGIN: libraries loading a sibling need it appended.
+    assert unresolved(dict(BUILD, append_runpaths=[])) == cudnn_subs | {
+        "nvidia/cu13/lib/libnvrtc.so.13: libnvrtc-builtins.so.13.0",
+        "nvidia/cu13/lib/libcupti.so.13: libnvperf_host.so",
+        "nvidia/cu13/lib/libcufile.so.0: libcufile_rdma.so.1"}
+    # What `import torch` has loaded (libtorch_cuda's closure) answers a dlopen by soname.
+    assert unresolved(dict(BUILD, preloaded=[])) == {
+        "nvidia/cudnn/lib/libcudnn_engines_precompiled.so.9: libcublasLt.so.13",
+        "nvidia/cudnn/lib/libcudnn_engines_precompiled.so.9: libnvrtc.so.13",
+        "nvidia/cudnn/lib/libcudnn_adv.so.9: libcublasLt.so.13",
+        "nvidia/cusparselt/lib/libcusparseLt.so.0: libnvrtc.so.13",
+        "nvidia/nvshmem/lib/libnvshmem_host.so.3: libnccl.so.2"}
+    # rdma-core on every RPATH: NCCL, NVSHMEM's IB transports and torch itself load libibverbs.
+    no_rdma = copy.deepcopy(BUILD)
+    for lib in no_rdma["host_libraries"]:
+        lib.pop("append_runpath", None)
+    assert unresolved(no_rdma) == {
+        "nvidia/nccl/lib/libnccl.so.2: libibverbs.so.1 / libibverbs.so",
+        "nvidia/nccl/lib/libnccl.so.2: libmlx5.so.1 / libmlx5.so",
+        "nvidia/nvshmem/lib/nvshmem_transport_ibrc.so.3: libibverbs.so.1",
+        "nvidia/nvshmem/lib/nvshmem_transport_ibrc.so.3: libmlx5.so.1 / libmlx5.so",
+        "torch/lib/libtorch_cuda.so: libibverbs.so.1",
+        "torch/lib/libtorch_cpu.so: libibverbs.so.1"}
+    # Every deliberately absent library this set names is listed with its objects.
+    assert len(unresolved(dict(BUILD, dlopen_absent=[]))) == len(now.absent)
+
+
 def test_full_replay_of_the_lock_is_clean(tmp_path):
-    """The whole lock replays with no problem (about 5 minutes)."""
-    cached(*BY_NAME)
+    """The whole lock replays with no problem (about 3.5 minutes, with every wheel cached)."""
+    missing = [w.name for w in WHEELS if not (CACHE / w.filename).is_file()]
+    if missing:
+        pytest.skip(f"{len(missing)} of the {len(WHEELS)} locked wheels not cached in {CACHE} (first: {missing[0]}): "
+                    f"the full replay runs where a developer fetched them all with `python3 nix/replay-runtime.py "
+                    f"--cache {CACHE}` (about 3.9 GB), not in CI; or set DSPARK_WHEEL_CACHE")
     installer()
     proc = subprocess.run([sys.executable, str(REPO / "nix/replay-runtime.py"), "--cache", str(CACHE),
                            "--offline", "--prefix", str(tmp_path / "runtime"), "--json", str(tmp_path / "r.json")],

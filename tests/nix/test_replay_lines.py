@@ -3,8 +3,9 @@
 as nix/runtime.nix's install phase does), without nixpkgs.
 
 The full replay of a line runs only where its locked wheels are cached ($DSPARK_WHEEL_CACHE, else
-the replay's default cache; about 4 GB: `python3 nix/replay-runtime.py --line ID --cache DIR`)
-and says which are missing otherwise; the default line's is tests/nix/test_replay.py's. The
+the replay's default cache; about 3.9 GB: `python3 nix/replay-runtime.py --line ID --cache DIR`),
+a developer's machine, not CI (tests/nix/replay_wheels.py says why), and says which are missing
+otherwise; the default line's is tests/nix/test_replay.py's. The
 replay's overlay step runs for real everywhere the line's vLLM tree is installed (.ci/setup puts
 vLLM 0.29.0's CPU build, the same Python sources, into .venv-lines/v0.29.0).
 """
@@ -12,21 +13,18 @@ vLLM 0.29.0's CPU build, the same Python sources, into .venv-lines/v0.29.0).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from dspark import runtime_lines
-from nix_support import REPO, load_script
+from nix_support import REPO
+from replay_wheels import CACHE, rr
 from test_runtime_lines_nix import stage_prefix, tree
 
 pytestmark = pytest.mark.nix
 
-rr = load_script("replay_runtime", "nix/replay-runtime.py")
-CACHE = Path(os.environ.get("DSPARK_WHEEL_CACHE") or rr.DEFAULT_CACHE)
 LINES = runtime_lines.load()
 OTHER_LINES = sorted(i for i, line in LINES.lines.items() if line.lock_state == "locked" and i != LINES.default)
 
@@ -39,7 +37,7 @@ def test_full_replay_of_the_line_is_clean(tmp_path, line_id):
     if missing:
         pytest.skip(f"{len(missing)} of the {line_id} line's locked wheels are not cached in {CACHE} (first: "
                     f"{missing[0]}); fetch them with `python3 nix/replay-runtime.py --line {line_id} --cache "
-                    f"{CACHE}` (about 4 GB) or set DSPARK_WHEEL_CACHE")
+                    f"{CACHE}` (about 3.9 GB; not in CI) or set DSPARK_WHEEL_CACHE")
     proc = subprocess.run([sys.executable, str(REPO / "nix/replay-runtime.py"), "--line", line_id, "--cache",
                            str(CACHE), "--offline", "--prefix", str(tmp_path / "runtime"),
                            "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=3600)

@@ -25,13 +25,13 @@ import pytest
 
 from dspark import runtime_lines
 from dspark.overlay import read_series, touched_files
-from nix_support import REPO, NixError, flake_with_stub, load_script, nix_eval, run_nix
+from nix_support import REPO, NixError, flake_with_stub, nix_eval, run_nix
+from replay_wheels import rr
 
 pytestmark = pytest.mark.nix
 
 LINES = runtime_lines.load()
 LOCKED = sorted(i for i, line in LINES.lines.items() if line.lock_state == "locked")
-rr = load_script("replay_runtime", "nix/replay-runtime.py")
 STORE_NAME = re.compile(r"/nix/store/[0-9a-z]{32}-(.+)")
 
 
