@@ -1,7 +1,13 @@
 """The local appliance (worker 127.0.0.2 + head 127.0.0.1, real vLLM CPU build; or a ring of N
 nodes, rank r on 127.0.0.(r+1)) installed with the project's own units in a `Container`, as
 `dspark systemd install` sets it up on a host that runs every node. Shared by tests/systemd and
-benchmarks/failover.py."""
+benchmarks/failover.py.
+
+`use_standin` puts the stand-in vLLM (tests/standin_vllm.py: vLLM's CLI shape, log lines, HTTP
+API and /metrics, up in about a second) in place of vLLM under the very same units: the cluster
+file's serving.vllm_command names a copy of it inside the container, run by the runtime's
+interpreter, both executable by user dspark under the units' sandbox. `record_real_start_ups`
+counts, from the head unit's journal, the real vLLM start-ups of a container (pairlib)."""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nspawn_container import ROOT, Container
-from pairlib import pick_ports  # free loopback ports, shared with the pair tests
+from pairlib import count_head_starts, pick_ports, record_start_ups  # shared with the pair tests
 
 from dspark.local import (DEFAULT_NODES, HEAD_NAME, LINES_DIR_ENV, SERVED_NAME, LocalPorts, node_address,
                           node_name)
@@ -34,6 +40,11 @@ RUNTIME = "/opt/dspark/venv"
 # prepare(), so the cluster file's serving.line_commands run LINES/<line>/bin/vllm.
 LINES = "/opt/dspark/lines"
 CHECKOUT_LINES = ROOT / ".venv-lines"
+# The stand-in vLLM inside the container (use_standin): a copy of tests/standin_vllm.py, mode 0644
+# under 0755 folders, so user dspark reads it wherever the checkout lives (a CI clone under /root,
+# mode 700, would not do); the runtime's interpreter (runtime()) runs it.
+STANDIN_SOURCE = ROOT / "tests" / "standin_vllm.py"
+STANDIN = "/opt/dspark/standin/vllm.py"
 UNITS = ("dspark-head.service", "dspark-worker.service", "dspark-wait-worker.service",
          "dspark-worker-ready.target")  # the pair's (Appliance.units: any number of nodes)
 
@@ -46,6 +57,8 @@ class Appliance:
     nodes: int = DEFAULT_NODES
     dspark: str = DSPARK  # the dspark CLI the units run (root may run it too: dspark switch)
     lines: dict[str, str] | None = None  # install(lines=True): each other line's folder under LINES
+    python: str = PYTHON  # the runtime's interpreter the units' user executes (runtime())
+    standin: bool = False  # use_standin(): the stand-in vLLM runs in place of vLLM
 
     @property
     def names(self) -> list[str]:
@@ -224,11 +237,52 @@ def install(box: Container, ports: LocalPorts | None = None, nodes: int = DEFAUL
             f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api={ports.api}, master={ports.master}, "
             f"agent={ports.agent}), nodes={nodes})", timeout=60, check=True, env=env)
     app = Appliance(box, ports, user_note=f"units run as user dspark from {how}", nodes=nodes, dspark=dspark,
-                    lines=line_dirs)
+                    lines=line_dirs, python=python)
     box.run(dspark, "systemd", "install", *(a for n in app.names for a in ("--node", n)),
             "--config", f"{CLUSTER_DIR}/cluster.toml", "--dspark-bin", dspark, timeout=60, check=True)
     bind_checkout(box, [app.unit(n) for n in app.names] + ["dspark-wait-worker.service"])
     return app
+
+
+def use_standin(app: Appliance, env: dict[str, str] | None = None, supervisor: dict | None = None,
+                line_commands: dict[str, list[str]] | None = None) -> list[str]:
+    """Put the stand-in vLLM in place of vLLM in the installed appliance's cluster file (before
+    any unit starts; the units are unchanged): serving.vllm_command runs STANDIN with the
+    runtime's interpreter, `env` is added to serving.env (the STANDIN_* behaviours, which every
+    rank gets), `supervisor` to the supervisor section, and serving.line_commands becomes
+    `line_commands`: the other lines a switch may move to (none when None); the file's own line
+    runs vllm_command, the stand-in. Returns the stand-in's command."""
+    import tomllib
+
+    from dspark import config as C
+
+    dest = app.box.path(STANDIN)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.parent.chmod(0o755)
+    dest.write_text(STANDIN_SOURCE.read_text())
+    dest.chmod(0o644)
+    command = [app.python, STANDIN]
+    path = app.box.path(f"{CLUSTER_DIR}/cluster.toml")
+    data = tomllib.loads(path.read_text())
+    data["serving"]["vllm_command"] = command
+    data["serving"]["env"] = {**data["serving"].get("env", {}), **(env or {})}
+    data["serving"]["line_commands"] = line_commands or {}
+    data["supervisor"] = {**data["supervisor"], **(supervisor or {})}
+    C.from_dict(data)  # the file the units read must pass the same validation as prepare()'s
+    path.write_text("# The local appliance with the stand-in vLLM (tests/systemd/appliance.use_standin).\n"
+                    + C.dumps(data))
+    app.standin = True
+    return command
+
+
+def record_real_start_ups(app: Appliance, what: str) -> int:
+    """Record the real vLLM start-ups of this container (pairlib.record_start_ups): every
+    "starting vLLM: " line in the head unit's whole journal (the first start, restarts, switches
+    and rollbacks). Nothing for a stand-in appliance: it starts no real vLLM."""
+    if app.standin:
+        return 0
+    r = app.box.run("journalctl", "--no-pager", "-o", "cat", "-u", app.unit(HEAD_NAME), timeout=60)
+    return record_start_ups(what, count_head_starts(r.stdout), app.nodes)
 
 
 def bind_checkout(box: Container, units: list[str]) -> None:
