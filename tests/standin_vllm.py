@@ -12,6 +12,8 @@ Behaviour is chosen with STANDIN_* environment variables:
   STANDIN_STALL_AFTER  after this many seconds the engine stops making progress (a wedged
                        collective): running requests never finish, queued ones never start,
                        /health still answers and /metrics keeps showing the values of that moment
+  STANDIN_LAUNCH_DELAY seconds before the first log line (vLLM's imports): a headless rank enters
+                       the rendezvous that much later
   STANDIN_COLLECTIVE_S (with --nnodes) the ranks share a collective, as vLLM's do: each headless
                        rank stays connected to the head's rendezvous port and sends a beat every
                        0.1 s; the head's engine stalls (as with STANDIN_STALL_AFTER) once a connected
@@ -99,6 +101,7 @@ def collective_silent() -> bool:
         return any(now - heard > limit for heard in peers_heard.values())
 
 
+time.sleep(float(env.get("STANDIN_LAUNCH_DELAY", "0")))
 log("Launching vLLM (v0.28.0-standin) " + ("headless multiproc executor" if "--headless" in argv else "API server"))
 master = (arg("--master-addr"), int(arg("--master-port", "0")))
 log(f"world_size=2 rank=0 distributed_init_method=tcp://{master[0]}:{master[1]} backend=gloo")
