@@ -245,13 +245,15 @@ def install(box: Container, ports: LocalPorts | None = None, nodes: int = DEFAUL
 
 
 def use_standin(app: Appliance, env: dict[str, str] | None = None, supervisor: dict | None = None,
-                line_commands: dict[str, list[str]] | None = None) -> list[str]:
+                line_commands: dict[str, list[str]] | None = None,
+                node_env: dict[str, dict[str, str]] | None = None) -> list[str]:
     """Put the stand-in vLLM in place of vLLM in the installed appliance's cluster file (before
     any unit starts; the units are unchanged): serving.vllm_command runs STANDIN with the
     runtime's interpreter, `env` is added to serving.env (the STANDIN_* behaviours, which every
     rank gets), `supervisor` to the supervisor section, and serving.line_commands becomes
     `line_commands`: the other lines a switch may move to (none when None); the file's own line
-    runs vllm_command, the stand-in. Returns the stand-in's command."""
+    runs vllm_command, the stand-in. `node_env`: {node: env} added to that [[nodes]] entry's env
+    (a behaviour of one rank only). Returns the stand-in's command."""
     import tomllib
 
     from dspark import config as C
@@ -268,6 +270,8 @@ def use_standin(app: Appliance, env: dict[str, str] | None = None, supervisor: d
     data["serving"]["env"] = {**data["serving"].get("env", {}), **(env or {})}
     data["serving"]["line_commands"] = line_commands or {}
     data["supervisor"] = {**data["supervisor"], **(supervisor or {})}
+    for entry in data["nodes"]:
+        entry["env"] = {**entry.get("env", {}), **(node_env or {}).get(entry["name"], {})}
     C.from_dict(data)  # the file the units read must pass the same validation as prepare()'s
     path.write_text("# The local appliance with the stand-in vLLM (tests/systemd/appliance.use_standin).\n"
                     + C.dumps(data))

@@ -8,7 +8,9 @@ tests/test_local_ring.py's; real vLLM under these units, test_switch_under_syste
 
 The tests run in file order against one container: the units as installed, the start (every
 worker in the rendezvous before the head's vLLM starts), one worker's vLLM killed (the head
-leaves serving and the ring comes back, workers first), and a stop that leaves nothing behind.
+leaves serving and the ring comes back, workers first), the same in the cross-host shape (no
+ordering between the units: the head's supervisor alone waits for every worker, one of them late
+into the rendezvous), and a stop that leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ NODES = 4
 START_S = 300      # a stand-in ring's start (seconds when idle; generous for a loaded 2-core host)
 DETECT_S = 15      # the issue's bound for detecting a worker death (as for the pair)
 KILLED = node_name(2)  # the worker whose vLLM is killed: neither the head nor the pair's one worker
+# In the cross-host test the last worker's (stand-in) vLLM takes this long to enter the
+# rendezvous, as a slow import of vLLM would: a head that started on fewer than every worker
+# would start its vLLM before it.
+LATE = node_name(3)
+LATE_S = 20.0  # longer than the head takes to come back after the kill (about 9 s in a run here)
 
 WORKER_READY = "ready (in the rendezvous)"  # a worker's supervisor, once its vLLM waits in the rendezvous
 HEAD_STARTS_VLLM = "starting vLLM: "        # the head's supervisor, once every worker is in it
@@ -138,6 +145,37 @@ def test_one_worker_vllm_killed_the_head_leaves_and_the_ring_comes_back_workers_
     print(f"{KILLED} killed: head left serving after {detected:.1f} s, ring serving again "
           f"{back + detected:.0f} s after the kill; workers ready ahead of the head's vLLM by "
           + ", ".join(f"{w} {s:.1f} s" for w, s in lead.items()))
+
+
+def test_without_systemds_order_the_heads_supervisor_waits_for_every_worker_after_a_kill(ring: Appliance):
+    """The cross-host shape (no Wants=/After= between the head and the workers: they would run on
+    other hosts): after a worker's vLLM is killed, the head's unit restarts on its own, and only
+    its supervisor keeps its vLLM until every worker is in the rendezvous again (here LATE
+    enters LATE_S after its start). On one host the drop-in's After= orders the same restart."""
+    box = ring.box
+    box.systemctl("stop", "dspark-head.service", "dspark-worker@*.service", timeout=300, check=True)
+    box.systemctl("reset-failed", timeout=30)
+    box.path("/etc/systemd/system/dspark-wait-worker.service.d/60-dspark-local-pair.conf").unlink()
+    head_dropin = box.path("/etc/systemd/system/dspark-head.service.d/60-dspark-local-pair.conf")
+    head_dropin.write_text("\n".join(line for line in head_dropin.read_text().splitlines()
+                                     if not line.startswith(("Wants=", "After="))) + "\n")
+    box.systemctl("daemon-reload", check=True)
+    use_standin(ring, node_env={LATE: {"STANDIN_LAUNCH_DELAY": str(LATE_S)}})  # read at each start
+    head = box.show("dspark-head.service", "Wants", "After")
+    assert not any(ring.unit(w) in (head["Wants"] + " " + head["After"]).split() for w in ring.workers), head
+    box.systemctl("start", "--no-block", *(ring.unit(w) for w in ring.workers), "dspark-head.service", check=True)
+    ring.wait_serving(START_S)
+    since = usec()
+    detected = ring.kill_vllm_until_the_head_leaves(KILLED)
+    assert detected is not None and detected < DETECT_S, "head still serving 60 s after the kill"
+    ring.wait_serving(START_S)
+    # The head's new run waited in the rendezvous while LATE was not in it yet...
+    head_waits = [t for t, line in ring.box.journal(ring.unit(HEAD_NAME), since)
+                  if "waiting for" in line and LATE in line]
+    late_ready = lines_with(ring, LATE, WORKER_READY, since)
+    assert head_waits and late_ready and head_waits[0] < late_ready[-1], (head_waits, late_ready)
+    # ...and started its vLLM only once every worker was in.
+    assert_workers_first(ring, since)
 
 
 def test_systemctl_stop_of_every_node_leaves_no_process(ring: Appliance):

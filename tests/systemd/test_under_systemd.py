@@ -38,6 +38,8 @@ STALL_S = 10.0     # the cluster file's supervisor.stall_s here (the local appli
 TOKEN_S = 0.02     # the stand-in's seconds per token: a 2000-token request runs 40 s
 A, B = "v0.28.0", "v0.29.0"  # the default line (the stand-in) and a line whose install is broken
 STATE_DIR = "/var/lib/dspark/head"  # the head unit's StateDirectory: dspark switch's default
+SWITCH_WAIT_S = 120  # dspark switch --timeout: each wait for the pair to serve (the new line, the way back);
+                     # a stand-in pair serves again within seconds (4 s in a run here)
 BROKEN = "/opt/dspark/standin/broken-vllm"
 BROKEN_SCRIPT = """#!/bin/sh
 # Runtime line v0.29.0 as the rollback test sees it: an install whose vLLM cannot even import.
@@ -197,8 +199,8 @@ def test_a_line_that_cannot_start_is_rolled_back_inside_the_running_units(app: A
     node_units = ("dspark-head.service", "dspark-worker.service")
     before = {u: app.box.show(u, "MainPID", "NRestarts") for u in node_units}
     since = usec()
-    r = app.box.run(app.dspark, "switch", B, "--no-bench", "--config", f"{CLUSTER_DIR}/cluster.toml",
-                    "--state-dir", STATE_DIR, timeout=START_S * 2)
+    r = app.box.run(app.dspark, "switch", B, "--no-bench", "--timeout", str(SWITCH_WAIT_S), "--config",
+                    f"{CLUSTER_DIR}/cluster.toml", "--state-dir", STATE_DIR, timeout=2 * SWITCH_WAIT_S + 120)
     out = r.stdout + r.stderr
     assert r.returncode == 1 and f"rolled back: serving on {A} again" in out, out + app.diagnose()
     rec = json.loads(app.box.path(f"{STATE_DIR}/switch-history.json").read_text())[-1]
