@@ -41,7 +41,8 @@ pytestmark = [pytest.mark.systemd,
                                  reason=f"runtime line {B} is not installed ({CHECKOUT_LINES / B}); .ci/setup installs it")]
 
 START_S = 600      # a pair start on a loaded 2-core machine (about 50 s when idle)
-SWITCH_S = 1200    # one `dspark switch --no-bench` (a drain, a real start on the new line) on that machine
+SWITCH_S = 2 * START_S + 120  # one `dspark switch --no-bench --timeout START_S`: at most a wait for the new
+                              # line and one for the way back, each bounded by the switch itself
 EXPOSURE_MAX = 2.0  # `systemd-analyze security` of the node units (nixpkgs' CUDA services: 1.5)
 STATE_DIR = "/var/lib/dspark/head"  # the head unit's StateDirectory: dspark switch's default
 NODE_UNITS = {HEAD_NAME: "dspark-head.service", WORKER_NAME: "dspark-worker.service"}
@@ -166,11 +167,11 @@ def test_the_journal_has_real_vllms_output_as_info_and_dspark_lines_with_their_l
 def test_switch_to_the_second_line_is_kept_inside_the_running_units(app: Appliance):
     since = usec()
     t0 = time.monotonic()
-    r = app.box.run(app.dspark, "switch", B, "--no-bench", "--config", f"{CLUSTER_DIR}/cluster.toml",
-                    "--state-dir", STATE_DIR, timeout=SWITCH_S)
+    r = app.box.run(app.dspark, "switch", B, "--no-bench", "--timeout", str(START_S), "--config",
+                    f"{CLUSTER_DIR}/cluster.toml", "--state-dir", STATE_DIR, timeout=SWITCH_S)
     out = r.stdout + r.stderr
     with open(ARTIFACTS / "switch-systemd.log", "a") as f:
-        f.write(f"$ dspark switch {B} --no-bench --config {CLUSTER_DIR}/cluster.toml --state-dir {STATE_DIR}"
+        f.write(f"$ dspark switch {B} --no-bench --timeout {START_S} --config {CLUSTER_DIR}/cluster.toml --state-dir {STATE_DIR}"
                 f"  # exit {r.returncode}, {time.monotonic() - t0:.0f} s\n{out}\n")
     assert r.returncode == 0, out + app.diagnose()
     assert f"verdict: kept {B}" in out and "Traceback" not in out, out
