@@ -14,8 +14,8 @@ from pairlib import ARTIFACTS, kill_leftovers, start_pair, vllm_groups
 from standin_lib import Serve
 
 
-def _pair_fixture(workdir: Path, nodes: int = 2):
-    pair = start_pair(workdir, nodes=nodes)  # cleans up itself when the pair does not come up
+def _pair_fixture(workdir: Path, nodes: int = 2, env: dict[str, str] | None = None):
+    pair = start_pair(workdir, nodes=nodes, env=env)  # cleans up itself when the pair does not come up
     groups: set[int] = set()
     try:
         groups = vllm_groups(pair)  # vLLM's engine and workers rename themselves: found by group
@@ -27,8 +27,18 @@ def _pair_fixture(workdir: Path, nodes: int = 2):
 
 @pytest.fixture(scope="session")
 def local_pair(tmp_path_factory):
-    """The real two-node pair (vLLM CPU build), shared by every test that only reads it."""
-    yield from _pair_fixture(tmp_path_factory.mktemp("pair"))
+    """The real two-node pair (vLLM CPU build), shared by every test that only reads it, then by
+    the few that change it, which run last (`shared_pair_last`): the switches, then the drain's
+    Ctrl-C. Where the second runtime line is installed, the pair knows it behind the switch
+    tests' wrapper (switch_lib), in mode ok: the real vLLM of that line (`pair.lines`)."""
+    from dspark import local
+    from switch_lib import second_line_wrapped
+
+    lines = second_line_wrapped(tmp_path_factory.mktemp("lines"))
+    for pair in _pair_fixture(tmp_path_factory.mktemp("pair"),
+                              env={local.LINES_DIR_ENV: str(lines)} if lines is not None else None):
+        pair.lines = lines
+        yield pair
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +50,8 @@ def local_ring(tmp_path_factory):
 
 @pytest.fixture
 def fresh_pair(tmp_path):
-    """A pair of this test's own, for a test that kills or stops it (two use it: the drain's
-    Ctrl-C, tests/test_drain.py; the kill -9 of a vLLM, tests/test_no_orphans.py)."""
+    """A pair of this test's own, for a test that breaks it before others could read it (the kill -9
+    of a vLLM, tests/test_no_orphans.py)."""
     yield from _pair_fixture(tmp_path / "pair")
 
 
@@ -108,11 +118,18 @@ VLLM_FIXTURES = {"vllm"}  # test_config_sources.py: vLLM's config and argument p
 OVERLAY_TESTS = Path(__file__).parent / "overlay"
 
 
+def _last_order(item) -> int:
+    mark = item.get_closest_marker("shared_pair_last")
+    return mark.args[0] if mark is not None else 0
+
+
 def pytest_collection_modifyitems(items):
     """A test that takes a pair (directly or through a fixture of its own) is in the pair layer,
     marked or not, so `-m "not pair"` leaves it out. One that runs vLLM's own code (every overlay
     test, which drives copies of the installed tree in subprocesses; a test taking the `vllm`
-    fixture) is in the vllm layer."""
+    fixture) is in the vllm layer. The tests that change the shared pair
+    (`@pytest.mark.shared_pair_last(N)`) run after every other test of the session, by N."""
+    items.sort(key=_last_order)  # stable: every other test keeps its place
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if PAIR_FIXTURES & names:

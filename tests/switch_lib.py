@@ -91,3 +91,18 @@ def wrap_line(lines: Path, line: str, exe: Path, real: str) -> None:
     broken.mkdir(parents=True, exist_ok=True)
     (broken / "__init__.py").write_text('raise ImportError("vllm is broken in this install (a test of dspark switch)")\n')
     (lines / "mode").write_text("ok\n")
+
+
+def second_line_wrapped(lines: Path) -> Path | None:
+    """LINES (`lines`) holding the second runtime line's `bin/vllm` as the wrapper, in mode ok,
+    running that line's real vLLM (.ci/setup installs it); None where it is not installed."""
+    from dspark import local
+
+    real = local.lines_dir() / B / "bin" / "vllm"
+    if not real.exists():
+        return None
+    import shlex
+
+    (lines / B / "bin").mkdir(parents=True, exist_ok=True)
+    wrap_line(lines, B, lines / B / "bin" / "vllm", shlex.quote(str(real)))
+    return lines

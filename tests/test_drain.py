@@ -1,4 +1,5 @@
-"""A planned stop drains, on the real local pair: Ctrl-C of `dspark local up`
+"""A planned stop drains, on the real local pair (the shared one, as the last test of its session:
+the stop that ends it): Ctrl-C of `dspark local up`
 (SIGTERM to the head's supervisor) lets every request in flight finish with its full output,
 turns new requests away at once, and exits 0 within the drain. (A fault under load, kill -9 of the
 worker's vLLM, still stops the head at once: tests/test_no_orphans.py, on a pair of its own.)
@@ -159,8 +160,10 @@ def running(api_url: str) -> float:
         return -1.0
 
 
-def test_ctrl_c_of_local_up_under_load_loses_no_request_in_flight(fresh_pair):
-    pair = fresh_pair
+@pytest.mark.shared_pair_last(3)
+def test_ctrl_c_of_local_up_under_load_loses_no_request_in_flight(local_pair):
+    """Changes the shared pair: it stops it, as its last test (on whichever line the switches left)."""
+    pair = local_pair
     drain_s = getattr(C.load(pair.cluster_file).supervisor, "drain_s", 60.0)  # the local pair's drain
     run_of(pair, L.HEAD_NAME), run_of(pair, L.WORKER_NAME)  # their groups are swept at teardown
     clients = Clients(pair.api_url, IN_FLIGHT, MAX_TOKENS)
