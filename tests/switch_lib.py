@@ -1,7 +1,8 @@
-"""What the two `dspark switch` test modules share (tests/test_switch_local.py on `local up`,
-tests/systemd/test_switch_under_systemd.py under the units): the two real lines, the band the
-switches that must be kept are judged with, and the wrapper put in place of the second line's `bin/vllm`, which a mode
-file turns into a broken or a slowed install of it."""
+"""What the `dspark switch` tests share: the two real lines and the band the switches that must
+be kept are judged with (tests/test_switch_local.py on `local up`,
+tests/systemd/test_switch_under_systemd.py under the units), and the wrapper put in place of the
+second line's `bin/vllm` for the shared local pair, which a mode file turns into a broken or a
+slowed (one sequence at a time, throttled) install of it."""
 
 from __future__ import annotations
 
