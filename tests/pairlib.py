@@ -32,6 +32,16 @@ def count_head_starts(head_log: str) -> int:
     return sum(1 for line in head_log.splitlines() if HEAD_STARTS_VLLM in line)
 
 
+def local_head_log(workdir: Path) -> str:
+    """The head supervisor's log of a `local up --dir workdir` (empty before it has one)."""
+    from dspark.local import node_name
+
+    try:
+        return (workdir / "logs" / f"{node_name(0)}.log").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def record_start_ups(what: str, head_starts: int, nodes: int = 2) -> int:
     """Record `head_starts` real start-ups of a `nodes`-node vLLM appliance (a ring of four counts
     as two pairs) in the file $DSPARK_TEST_START_UPS names (nothing when unset); the pairs counted."""
@@ -182,17 +192,8 @@ class PairHandle:
         if not self.recorded:
             self.recorded = True
             record_start_ups(f"local up, {self.nodes} nodes: {self.workdir.parent.name}/{self.workdir.name}",
-                             count_head_starts(self.head_log()), self.nodes)
+                             count_head_starts(local_head_log(self.workdir)), self.nodes)
         return self.proc.returncode
-
-    def head_log(self) -> str:
-        """The head supervisor's log under `local up` (empty before it has one)."""
-        from dspark.local import node_name
-
-        try:
-            return (self.workdir / "logs" / f"{node_name(0)}.log").read_text(errors="replace")
-        except OSError:
-            return ""
 
 
 def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2, line: str | None = None,

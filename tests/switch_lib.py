@@ -1,10 +1,13 @@
 """What the `dspark switch` tests share: the two real lines and the band the switches that must
 be kept are judged with (tests/test_switch_local.py on `local up`,
 tests/systemd/test_switch_under_systemd.py under the units), and the wrapper put in place of the
-second line's `bin/vllm` for the shared local pair, which a mode file turns into a broken or a
-slowed (one sequence at a time, throttled) install of it."""
+second line's `bin/vllm` for the shared local pair, which a mode file turns into a slowed (one
+sequence at a time, throttled) install of it."""
 
 from __future__ import annotations
+
+import shlex
+import sys
 
 from pathlib import Path
 
@@ -19,16 +22,14 @@ A, B = "v0.28.0", "v0.29.0"
 # (with a quarter, a loaded host measured -96.7 % against a band of 29.1 %).
 WIDE_BAND = ["--min-band", "0.6"]
 
-# MODE (the file `mode` two levels above bin/): ok runs the real vLLM; broken puts a shadow
-# `vllm` package that raises ImportError first on PYTHONPATH; slow serves one sequence at a time
+# MODE (the file `mode` two levels above bin/): ok runs the real vLLM; slow serves one sequence at a time
 # and, once its API answers, has its process group stopped half of the time (THROTTLE,
 # a process of its own session that ends with the vLLM it throttles).
 WRAPPER = """#!/bin/sh
-# vLLM {line} as the switch tests see it: the real install, broken or slowed on purpose by MODE.
+# vLLM {line} as the switch tests see it: the real install, or slowed on purpose by MODE.
 here=$(dirname "$0")
 mode=$(cat "$here/../../mode" 2>/dev/null || echo ok)
 case "$mode" in
-  broken) PYTHONPATH="$here/../../broken${{PYTHONPATH:+:$PYTHONPATH}}" exec {real} "$@" ;;
   slow) {python} "$here/../../throttle.py" $$ "$@" </dev/null >/dev/null 2>&1 &
         exec {real} "$@" --max-num-seqs 1 ;;
   *) exec {real} "$@" ;;
@@ -79,31 +80,19 @@ while alive() and time.monotonic() < end:
 """
 
 
-def wrap_line(lines: Path, line: str, exe: Path, real: str) -> None:
-    """Write the wrapper at `exe` (LINES/LINE/bin/vllm) running `real` (a shell word), the mode
-    file (ok), the broken package and the throttle beside the lines in `lines`."""
-    import shlex
-    import sys
-
-    exe.write_text(WRAPPER.format(line=line, real=real, python=shlex.quote(sys.executable)))
-    (lines / "throttle.py").write_text(THROTTLE)
-    exe.chmod(0o755)
-    broken = lines / "broken" / "vllm"
-    broken.mkdir(parents=True, exist_ok=True)
-    (broken / "__init__.py").write_text('raise ImportError("vllm is broken in this install (a test of dspark switch)")\n')
-    (lines / "mode").write_text("ok\n")
-
-
 def second_line_wrapped(lines: Path) -> Path | None:
-    """LINES (`lines`) holding the second runtime line's `bin/vllm` as the wrapper, in mode ok,
-    running that line's real vLLM (.ci/setup installs it); None where it is not installed."""
+    """LINES (`lines`) holding the second runtime line's `bin/vllm` as the wrapper running that
+    line's real vLLM (.ci/setup installs it), the mode file (ok) and the throttle beside it; None
+    where that line is not installed."""
     from dspark import local
 
     real = local.lines_dir() / B / "bin" / "vllm"
     if not real.exists():
         return None
-    import shlex
-
-    (lines / B / "bin").mkdir(parents=True, exist_ok=True)
-    wrap_line(lines, B, lines / B / "bin" / "vllm", shlex.quote(str(real)))
+    exe = lines / B / "bin" / "vllm"
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    exe.write_text(WRAPPER.format(line=B, real=shlex.quote(str(real)), python=shlex.quote(sys.executable)))
+    exe.chmod(0o755)
+    (lines / "throttle.py").write_text(THROTTLE)
+    (lines / "mode").write_text("ok\n")
     return lines

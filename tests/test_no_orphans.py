@@ -28,6 +28,7 @@ from dspark.vllm_process import group_members
 
 pytestmark = [pytest.mark.pair, pytest.mark.browser]
 
+
 def listening_ports(pids: list[int]) -> set[int]:
     """The TCP ports on which any of `pids` listens."""
     inodes = set()

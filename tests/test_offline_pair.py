@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from pairlib import ARTIFACTS, ROOT, count_head_starts, kill_leftovers, pick_ports, record_start_ups
+from pairlib import (ARTIFACTS, ROOT, count_head_starts, kill_leftovers, local_head_log, pick_ports,
+                     record_start_ups)
 
 pytestmark = pytest.mark.pair
 
@@ -210,9 +211,7 @@ def test_the_pair_serves_in_an_offline_namespace_without_trying_the_network(tmp_
             proc.kill()
             proc.wait(timeout=30)
         kill_leftovers(workdir)
-        record_start_ups("local pair in an offline namespace", count_head_starts(
-            (workdir / "logs" / "local-head.log").read_text(errors="replace")
-            if (workdir / "logs" / "local-head.log").exists() else ""))
+        record_start_ups("local pair in an offline namespace", count_head_starts(local_head_log(workdir)))
         if dns is not None:
             dns.kill()
             dns.wait(timeout=30)

@@ -38,7 +38,6 @@ def switch_pair(local_pair):
     if getattr(local_pair, "lines", None) is None:
         pytest.skip(f"runtime line {B} is not installed ({local.lines_dir() / B}); .ci/setup installs it")
     (ARTIFACTS / "switch-local.log").unlink(missing_ok=True)
-    local_pair.figures = FIGURES
     try:
         yield local_pair
     finally:
@@ -50,8 +49,8 @@ def set_mode(pair, mode: str) -> None:
     (pair.lines / "mode").write_text(mode + "\n")
 
 
-def switch(pair, line: str, *extra: str, bench: list[str] = BENCH) -> tuple[subprocess.CompletedProcess, dict]:
-    r = subprocess.run(dspark_cmd("local", "switch", line, "--dir", str(pair.workdir), *bench, *extra),
+def switch(pair, line: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    r = subprocess.run(dspark_cmd("local", "switch", line, "--dir", str(pair.workdir), *BENCH, *extra),
                        capture_output=True, text=True, timeout=1500,
                        env={**os.environ, local.LINES_DIR_ENV: str(pair.lines)})
     ARTIFACTS.mkdir(exist_ok=True)
@@ -73,8 +72,8 @@ def completes(pair) -> bool:
 
 
 def record(pair, name: str, r, rec) -> None:
-    pair.figures[name] = {k: rec.get(k) for k in ("verdict", "reason", "down_s", "band", "gain", "serving_on")}
-    print(f"{name}: exit {r.returncode}; {pair.figures[name]}", file=sys.stderr)
+    FIGURES[name] = {k: rec.get(k) for k in ("verdict", "reason", "down_s", "band", "gain", "serving_on")}
+    print(f"{name}: exit {r.returncode}; {FIGURES[name]}", file=sys.stderr)
 
 
 @pytest.mark.shared_pair_last(1)

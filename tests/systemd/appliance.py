@@ -148,6 +148,16 @@ class Appliance:
             time.sleep(0.2)
         return None
 
+    def drop_local_ordering(self) -> None:
+        """The cross-host shape on one host: the drop-ins' ordering between the head and its
+        workers goes (wait-worker's, and the head's Wants=/After=), only the ordering; the shared
+        /tmp stays (one host: vLLM's IPC sockets live there). Run with the nodes stopped."""
+        self.box.path("/etc/systemd/system/dspark-wait-worker.service.d/60-dspark-local-pair.conf").unlink()
+        head_dropin = self.box.path("/etc/systemd/system/dspark-head.service.d/60-dspark-local-pair.conf")
+        head_dropin.write_text("\n".join(line for line in head_dropin.read_text().splitlines()
+                                         if not line.startswith(("Wants=", "After="))) + "\n")
+        self.box.systemctl("daemon-reload", check=True)
+
     def main_pid_restarts(self, unit: str) -> int:
         return int(self.box.show(unit, "NRestarts")["NRestarts"])
 

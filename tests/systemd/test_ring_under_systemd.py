@@ -155,11 +155,7 @@ def test_without_systemds_order_the_heads_supervisor_waits_for_every_worker_afte
     box = ring.box
     box.systemctl("stop", "dspark-head.service", "dspark-worker@*.service", timeout=300, check=True)
     box.systemctl("reset-failed", timeout=30)
-    box.path("/etc/systemd/system/dspark-wait-worker.service.d/60-dspark-local-pair.conf").unlink()
-    head_dropin = box.path("/etc/systemd/system/dspark-head.service.d/60-dspark-local-pair.conf")
-    head_dropin.write_text("\n".join(line for line in head_dropin.read_text().splitlines()
-                                     if not line.startswith(("Wants=", "After="))) + "\n")
-    box.systemctl("daemon-reload", check=True)
+    ring.drop_local_ordering()
     use_standin(ring, node_env={LATE: {"STANDIN_LAUNCH_DELAY": str(LATE_S)}})  # read at each start
     head = box.show("dspark-head.service", "Wants", "After")
     assert not any(ring.unit(w) in (head["Wants"] + " " + head["After"]).split() for w in ring.workers), head

@@ -262,12 +262,7 @@ def test_head_started_alone_waits_for_the_worker_ready_target(app: Appliance):
     box.systemctl("stop", "dspark-head", "dspark-worker", timeout=200, check=True)
     # (The worker may have left first, as "pair broken: local-head is stopping": result failed.)
     box.systemctl("reset-failed", timeout=30)
-    # Only the ordering goes; the shared /tmp stays (one host: vLLM's IPC sockets live there).
-    box.path("/etc/systemd/system/dspark-wait-worker.service.d/60-dspark-local-pair.conf").unlink()
-    head_dropin = box.path("/etc/systemd/system/dspark-head.service.d/60-dspark-local-pair.conf")
-    head_dropin.write_text("\n".join(line for line in head_dropin.read_text().splitlines()
-                                     if not line.startswith(("Wants=", "After="))) + "\n")
-    box.systemctl("daemon-reload", check=True)
+    app.drop_local_ordering()
     box.systemctl("start", "--no-block", "dspark-head", check=True)
     deadline = time.monotonic() + 60
     status = ""
