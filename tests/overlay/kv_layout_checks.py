@@ -197,6 +197,7 @@ class Layers:
                 caches = attn_utils.init_kv_cache([], ctx, config, torch.device("cpu"),
                                                   kernel_block_sizes, vc)
         self.specs, self.config, self.groups, self.caches = specs, config, groups, caches
+        self.kernel_block_sizes = kernel_block_sizes
         self.builders = {
             name: group.get_metadata_builder(0)
             for gs in groups for group in gs for name in group.layer_names
@@ -294,6 +295,8 @@ class Recorder:
         self.fi = fi
         self.calls: list[dict] = []
         self.refusals: list[str] = []
+        self.path: str | None = None  # the SM120 class's method that launched ("decode", "prefill")
+        self.paths: list[str | None] = []
 
     def __call__(self, *args, **kwargs):
         # The call must bind to FlashInfer's own signature (read from its source).
@@ -332,6 +335,7 @@ class Recorder:
                     page_tokens=swa_kv_cache.shape[1], extra_topk=extra_topk,
                     extra_page_tokens=extra_pages)
         self.calls.append(call)
+        self.paths.append(self.path)
         why = self.fi.refusal(**call)
         if why:
             self.refusals.append(why)
@@ -479,6 +483,269 @@ def run_widths(layers: Layers, fi) -> tuple[list[str], list[dict]]:
     return sorted(set(errors)), recorder.calls, {k: sorted(v) for k, v in rows.items()}
 
 
+# --------------------------------------------------------------------------
+# Short prompts through the builders' own decode/prefill split
+# --------------------------------------------------------------------------
+
+SHORT_PROMPTS = tuple(range(1, 13))
+LONG_PROMPT = 1000
+DECODE_CONTEXT = 300  # tokens a running request holds before this step
+MIXES = ("alone", "+ 2 decodes", f"+ {LONG_PROMPT}-token prompt",
+         f"+ 2 decodes + {LONG_PROMPT}-token prompt")
+SPEC_CONFIGS = ("DSpark k=5", "no speculation")
+
+
+class _Launched(Exception):
+    """Stops a builder's build() right after its split (the rest needs CUDA)."""
+
+
+def _no_launch(*args, **kwargs):
+    return None
+
+
+class _NoGrid:
+    """A Triton kernel on CPU: launching it writes nothing (the index values are not
+    checked here, only what vLLM's Python decides and the shapes it hands FlashInfer)."""
+
+    def __getitem__(self, grid):
+        return _no_launch
+
+
+def _stand_in_metadata_kernels() -> None:
+    """The builders' Triton launches (no Triton on this CPU build) replaced by no-ops; every
+    line of the builders' Python, their splits included, runs as it is."""
+    from vllm.models.deepseek_v4 import sparse_mla
+    from vllm.v1.attention.backends.mla import compressor_utils, sparse_swa
+
+    for module, names in ((sparse_swa, ("_compute_swa_indices_and_lens_kernel",
+                                        "_compute_dspark_noncausal_swa_indices_kernel")),
+                          (sparse_mla, ("_build_c128a_topk_metadata_kernel",)),
+                          (compressor_utils, ("_compressed_slot_mapping_kernel",))):
+        for name in names:
+            if hasattr(module, name):
+                setattr(module, name, _NoGrid())
+    sparse_swa._COMPUTE_PREFILL_METADATA_KERNEL = _no_launch
+
+
+def _batch(prompt: int, mix: str, spec: bool) -> list[tuple[int, int, bool]]:
+    """One step's requests as (query tokens, seq_len after the step, prefilling), in the
+    model runner's own batch order (vLLM's sort_batch_req_ids: verify/decode first)."""
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    q_dec = 1 + NUM_SPEC if spec else 1
+    reqs: dict[str, tuple[int, int, bool]] = {}
+    drafts: dict[str, list[int]] = {}
+    if "decodes" in mix:
+        for i in range(2):
+            reqs[f"decode {i}"] = (q_dec, DECODE_CONTEXT + q_dec, False)
+            if spec:
+                drafts[f"decode {i}"] = [0] * NUM_SPEC
+    reqs["prompt"] = (prompt, prompt, True)
+    if str(LONG_PROMPT) in mix:
+        reqs["long prompt"] = (LONG_PROMPT, LONG_PROMPT, True)
+    order = sort_batch_req_ids({r: v[0] for r, v in reqs.items()}, drafts, q_dec)
+    return [reqs[r] for r in order]
+
+
+def _common(reqs, *, causal=True, prefilling=True, pad_reqs=0, pad_tokens=0):
+    """The CommonAttentionMetadata the model runner hands every builder for ``reqs``;
+    ``prefilling=False`` leaves is_prefilling None (as DSpark's draft step builds it),
+    ``pad_reqs``/``pad_tokens`` pad a FULL-graph batch (is_prefilling stays unpadded)."""
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q = [r[0] for r in reqs] + [0] * pad_reqs
+    seq = [r[1] for r in reqs] + [0] * pad_reqs
+    qsl = [0]
+    for n in q:
+        qsl.append(qsl[-1] + n)
+    tokens = qsl[-1] + pad_tokens
+    positions = [p for n, s in zip(q, seq) for p in range(s - n, s)] + [0] * pad_tokens
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl_t, query_start_loc_cpu=qsl_t.clone(),
+        seq_lens=torch.tensor(seq, dtype=torch.int32), num_reqs=len(q),
+        num_actual_tokens=tokens, max_query_len=max(q), max_seq_len=max(seq),
+        block_table_tensor=torch.zeros(len(q), -(-max(seq) // BLOCK_SIZE), dtype=torch.int32),
+        slot_mapping=torch.arange(tokens, dtype=torch.int64) % (NUM_BLOCKS * BLOCK_SIZE),
+        causal=causal, positions=torch.tensor(positions, dtype=torch.int64),
+        is_prefilling=(torch.tensor([r[2] for r in reqs], dtype=torch.bool)
+                       if prefilling else None),
+        seq_lens_cpu_upper_bound=torch.tensor(seq, dtype=torch.int32))
+
+
+def _builders_without_speculation(layers: Layers) -> dict:
+    """The same groups' builders as vLLM creates them with no speculative config."""
+    import copy
+
+    import torch
+
+    vc = layers.vc
+    saved, vc.speculative_config = vc.speculative_config, None
+    builders = {}
+    try:
+        for gid, gs in enumerate(layers.groups):
+            kernel = layers.kernel_block_sizes[gid] if gid < len(layers.kernel_block_sizes) else None
+            for group in gs:
+                fresh = copy.copy(group)
+                fresh.create_metadata_builders(vllm_config=vc, device=torch.device("cpu"),
+                                               kernel_block_size=kernel, num_metadata_builders=1)
+                builders.update({name: fresh.get_metadata_builder(0) for name in group.layer_names})
+    finally:
+        vc.speculative_config = saved
+    return builders
+
+
+def _indexer_split(builders: dict, cm):
+    """The split the sparse indexer's own build() makes (its own arguments), if it has one."""
+    import importlib
+
+    indexer = next((b for b in builders.values() if "Indexer" in type(b).__name__), None)
+    if indexer is None:
+        return None
+    module = importlib.import_module(type(indexer).__module__)
+    real, seen = module.split_decodes_and_prefills, []
+
+    def spy(*args, **kwargs):
+        seen.append(list(real(*args, **kwargs)))
+        raise _Launched
+
+    module.split_decodes_and_prefills = spy
+    try:
+        indexer.build(0, cm)
+    except _Launched:
+        pass
+    finally:
+        module.split_decodes_and_prefills = real
+    return seen[0] if seen else None
+
+
+def _step(layers: Layers, builders: dict, recorder: Recorder, layer, cm):
+    """One layer's attention for one step: its builders' own build(), then the SM120 class's
+    own _forward_sparse_impl; returns the launches as [path, rows] and the splits."""
+    import torch
+
+    hf = layers.vc.model_config.hf_config
+    swa = builders[layer.swa_cache_layer.prefix].build(0, cm)
+    md = builders[layer.prefix].build(0, cm) if layer.compress_ratio > 1 else None
+    splits = {"swa": [swa.num_decodes, swa.num_prefills, swa.num_decode_tokens,
+                      swa.num_prefill_tokens]}
+    if md is not None and layer.compress_ratio == 128:
+        dec, pre = md.c128a_global_decode_topk_indices, md.c128a_prefill_topk_indices
+        splits["c128a"] = [0 if dec is None else dec.shape[0], 0 if pre is None else pre.shape[0]]
+    tokens = cm.num_actual_tokens
+    q = torch.zeros(tokens, HEADS_PER_RANK, hf.head_dim, dtype=torch.bfloat16)
+    out = torch.zeros(tokens, layer.padded_heads, hf.head_dim, dtype=torch.bfloat16)
+    before = len(recorder.calls)
+
+    def tagged(method, path):
+        def run(*args, **kwargs):
+            recorder.path = path
+            try:
+                return method(*args, **kwargs)
+            finally:
+                recorder.path = None
+        return run
+
+    layer._forward_decode = tagged(layer._forward_decode, "decode")
+    layer._forward_prefill = tagged(layer._forward_prefill, "prefill")
+    try:
+        layer._forward_sparse_impl(
+            q=q, output=out, flashmla_metadata=md, swa_metadata=swa,
+            self_kv_cache=layer.kv_cache if layer.compress_ratio > 1 else None,
+            swa_kv_cache=layer.swa_cache_layer.kv_cache, swa_only=layer.compress_ratio <= 1)
+    finally:
+        del layer._forward_decode, layer._forward_prefill
+    launches = [[path, call["tokens"]] for path, call in
+                zip(recorder.paths[before:], recorder.calls[before:])]
+    return launches, splits
+
+
+def run_short_prompts(layers: Layers, fi) -> dict[str, str]:
+    """Prompts of 1 to 12 tokens alone and beside two decodes and a long prompt, with DSpark
+    (vLLM's SpeculativeConfig: parallel drafting) and without speculation: each builder's own
+    split and what the SM120 class launches FlashInfer with, for every target layer kind
+    (SWA-only, C4A, C128A), which must agree. Then two steps whose split the overlay must not
+    change: DSpark's draft step (is_prefilling None) and a FULL-graph batch padded with empty
+    requests (is_prefilling unpadded)."""
+    import torch
+    from vllm.models.deepseek_v4.nvidia import flashinfer_sparse
+    from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+    _stand_in_metadata_kernels()
+    recorder = Recorder(fi)
+    flashinfer_sparse.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 = recorder
+    flashinfer_sparse.compute_global_topk_indices_and_lens = _global_topk_stand_in
+    A = flashinfer_sparse.DeepseekV4FlashInferSM120Attention
+    A._get_workspace = staticmethod(lambda device: torch.empty(0, dtype=torch.uint8))
+    hf = layers.vc.model_config.hf_config
+    target = {}
+    draft = None
+    for layer in layers.attn.values():
+        if layer.layer_id < hf.num_hidden_layers:
+            target.setdefault(layer.compress_ratio, layer)
+        elif draft is None:
+            draft = layer
+    errors: list[str] = []
+    rows: dict = {}
+    splits: dict = {}
+    thresholds: dict = {}
+    for config in SPEC_CONFIGS:
+        spec = config != "no speculation"
+        builders = layers.builders if spec else _builders_without_speculation(layers)
+        thresholds[config] = builders[target[1].swa_cache_layer.prefix].decode_threshold
+        for prompt in SHORT_PROMPTS:
+            for mix in MIXES:
+                where = f"{config}, prompt {prompt} {mix}"
+                cm = _common(_batch(prompt, mix, spec))
+                seen = {}
+                split = {"indexer": _indexer_split(builders, cm)}
+                for ratio, layer in sorted(target.items()):
+                    try:
+                        launches, layer_split = _step(layers, builders, recorder, layer, cm)
+                    except Exception as e:  # noqa: BLE001 - reported as the case's result
+                        errors.append(f"{where}, ratio {ratio}: {type(e).__name__}: {e}")
+                        continue
+                    seen[ratio] = launches
+                    split.update(layer_split)
+                    for why in recorder.refusals:
+                        errors.append(f"{where}, ratio {ratio}: {why}")
+                    recorder.refusals.clear()
+                if len({json.dumps(v) for v in seen.values()}) > 1:
+                    errors.append(f"{where}: the layer kinds launch differently: {seen}")
+                if seen:
+                    rows.setdefault(config, {}).setdefault(str(prompt), {})[mix] = next(iter(seen.values()))
+                splits.setdefault(config, {}).setdefault(str(prompt), {})[mix] = split
+    # Steps whose split must stay vLLM's own: the draft block (no is_prefilling) and a
+    # FULL-graph verify batch of 2 requests padded to 4 (is_prefilling holds 2).
+    guards = {}
+    for name, layer, cm in (
+            ("DSpark draft, 2 requests x 5 rows", draft,
+             _common([(NUM_SPEC, DECODE_CONTEXT + NUM_SPEC, False)] * 2, causal=False,
+                     prefilling=False)),
+            ("target verify, 2 requests padded to 4", target[128],
+             _common([(1 + NUM_SPEC, DECODE_CONTEXT + 1 + NUM_SPEC, False)] * 2,
+                     pad_reqs=2, pad_tokens=2 * (1 + NUM_SPEC)))):
+        builder = layers.builders[layer.swa_cache_layer.prefix]
+        try:
+            launches, split = _step(layers, layers.builders, recorder, layer, cm)
+        except Exception as e:  # noqa: BLE001 - reported as the case's result
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        stock = list(split_decodes_and_prefills(cm, decode_threshold=builder.decode_threshold))
+        guards[name] = {"launches": launches, "split": split, "vllm's split": stock}
+        for why in recorder.refusals:
+            errors.append(f"{name}: {why}")
+        recorder.refusals.clear()
+    return {
+        "short prompts: rows": json.dumps(rows),
+        "short prompts: splits": json.dumps(splits),
+        "short prompts: decode thresholds": json.dumps(thresholds),
+        "short prompts: guards": json.dumps(guards),
+        "short prompts": "\n".join(sorted(set(errors))) or "ok",
+    }
+
+
 def check_init(layers: Layers, fi) -> list[str]:
     """The SM120 class's own start-up check, with DSpark's non-causal SWA
     width, against FlashInfer's table (the parent class's weight set-up is
@@ -558,6 +825,12 @@ def main() -> None:
             except Exception:
                 problems = [traceback.format_exc()]
             results[f"{key}: start-up check"] = "\n".join(problems) or "ok"
+            if "short prompts" not in results:  # once a run: the split does not depend on them
+                try:
+                    results.update(run_short_prompts(layers, fi))
+                    results["short prompts: run on"] = key
+                except Exception:
+                    results["short prompts"] = traceback.format_exc()
     print("@@RESULTS@@" + json.dumps(results))
 
 

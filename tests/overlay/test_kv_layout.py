@@ -123,3 +123,85 @@ def test_stock_vllm_launches_the_row_counts_the_line_saw_fault(stock_site, flash
     assert rows["prefill 2 tokens"] == [2], rows
     assert rows["decode 1 seq, DSpark draft (5 rows)"] == [5], rows
     assert rows["decode 2 seqs, DSpark draft (10 rows)"] == [10], rows
+
+
+# ------------------------------------------------------------------ short prompts (issue 31)
+
+# The v0.28.0 line's per-request widths for a short prefill (seed 000: 2 and 4 real first
+# prefills faulted at 4 rows on GB10, 2 -> 6 ran); 0003's prefill rule pads to these.
+LINE_PREFILL_WIDTHS = (1, 6, 8, 16, 24, 32, 36)
+LONG = 1000
+
+
+def line_prefill_rows(n: int) -> int:
+    return next(w for w in LINE_PREFILL_WIDTHS if n <= w)
+
+
+def expected_short_prompt_launches(config: str, prompt: int, mix: str) -> list[list]:
+    """What FlashInfer must receive for one step on SM12x: the prompt in the prefill launch
+    at the line's prefill width (beside the long prompt in the same chunk), the running
+    requests alone in the decode launch (two 6-row verifies with DSpark, two 1-row decodes
+    without); the SM120 class launches the prefill first."""
+    launches = [["prefill", line_prefill_rows(prompt) + (LONG if str(LONG) in mix else 0)]]
+    if "decodes" in mix:
+        launches.append(["decode", 12 if config.startswith("DSpark") else 2])
+    return launches
+
+
+def short_prompt_table(results: dict[str, str]) -> dict:
+    assert results["short prompts"] == "ok", results["short prompts"]
+    return json.loads(results["short prompts: rows"])
+
+
+def short_prompt_mismatches(results: dict[str, str]) -> list[str]:
+    rows = short_prompt_table(results)
+    bad = []
+    for config, prompts in rows.items():
+        for prompt, mixes in prompts.items():
+            for mix, launches in mixes.items():
+                want = expected_short_prompt_launches(config, int(prompt), mix)
+                if launches != want:
+                    bad.append(f"{config}, prompt {prompt} {mix}: {launches}, want {want}")
+    return bad
+
+
+def test_dspark_makes_every_prompt_up_to_11_tokens_fit_the_decode_threshold(layout_results):
+    # vLLM's SWA builder with DSpark (parallel drafting): 1 + 2k = 11; without speculation 1.
+    assert json.loads(layout_results["short prompts: decode thresholds"]) == {
+        "DSpark k=5": 11, "no speculation": 1}
+
+
+def test_short_prompts_reach_flashinfer_as_prefills_at_the_lines_widths(layout_results):
+    # Prompts of 1 to 12 tokens, alone, beside two running requests, beside a 1,000-token
+    # prompt and beside both, with DSpark and without: through the builders' own split
+    # and the SM120 class's _forward_decode / _forward_prefill, every target layer kind.
+    rows = short_prompt_table(layout_results)
+    assert sorted(rows) == ["DSpark k=5", "no speculation"]
+    assert all(len(prompts) == 12 and all(len(m) == 4 for m in prompts.values())
+               for prompts in rows.values()), rows
+    assert short_prompt_mismatches(layout_results) == []
+    # The issue's example: decodes 6 + 6, a 4-token prompt and a 1,000-token prompt.
+    assert rows["DSpark k=5"]["4"]["+ 2 decodes + 1000-token prompt"] == [["prefill", 1006], ["decode", 12]]
+
+
+def test_the_swa_and_c128a_splits_agree_and_count_the_prompt_as_a_prefill(layout_results):
+    splits = json.loads(layout_results["short prompts: splits"])
+    for config, prompts in splits.items():
+        for prompt, mixes in prompts.items():
+            for mix, split in mixes.items():
+                decodes, prefills, decode_tokens, prefill_tokens = split["swa"]
+                assert split["c128a"] == [decode_tokens, prefill_tokens], (config, prompt, mix, split)
+                assert prefills == 1 + (str(LONG) in mix), (config, prompt, mix, split)
+                assert decodes == 2 * ("decodes" in mix), (config, prompt, mix, split)
+
+
+def test_draft_steps_and_padded_graph_batches_keep_vllms_split(layout_results):
+    # The split's prefill flags are absent in DSpark's draft step and shorter than a FULL-graph
+    # batch padded with empty requests: both stay all-decode, as vLLM splits them.
+    guards = json.loads(layout_results["short prompts: guards"])
+    draft = guards["DSpark draft, 2 requests x 5 rows"]
+    assert draft["split"]["swa"] == draft["vllm's split"] == [2, 0, 10, 0]
+    assert draft["launches"] == [["decode", 12]]
+    padded = guards["target verify, 2 requests padded to 4"]
+    assert padded["split"]["swa"] == padded["vllm's split"] == [4, 0, 24, 0]
+    assert padded["split"]["c128a"] == [24, 0] and padded["launches"] == [["decode", 24]]
