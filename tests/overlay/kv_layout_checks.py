@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -826,9 +827,11 @@ def main() -> None:
                 problems = [traceback.format_exc()]
             results[f"{key}: start-up check"] = "\n".join(problems) or "ok"
             if "short prompts" not in results:  # once a run: the split does not depend on them
+                started = time.monotonic()
                 try:
                     results.update(run_short_prompts(layers, fi))
                     results["short prompts: run on"] = key
+                    results["short prompts: seconds"] = f"{time.monotonic() - started:.1f}"
                 except Exception:
                     results["short prompts"] = traceback.format_exc()
     print("@@RESULTS@@" + json.dumps(results))
