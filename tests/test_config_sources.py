@@ -14,10 +14,14 @@ import pytest
 
 from dspark_cli import invoke_dspark
 from dspark import config as C
+from dspark import graph_dispatch as G
 from dspark.render import render
 
 K = 5  # DSpark's speculative tokens in the template: 6 verify rows per request
 MULTIPLES_OF_6 = list(range(6, 73, 6))
+# The template's capture sizes: every multiple of the 6 verify rows, and the draft's 5 and 35
+# tokens (1 and 7 requests of DSpark's 5 query tokens, which no multiple of 6 rounds to).
+TEMPLATE_SIZES = sorted(MULTIPLES_OF_6 + [5, 35])
 
 
 def filled_template(tmp_path):
@@ -65,7 +69,7 @@ def test_template_says_what_it_leaves_unset_and_why():
     head = text.split("[model]", 1)[0]
     assert "shm_broadcast" in head and "MiaAI-Lab PR #71" in head and "no setting" in head
     # The capture sizes follow max_num_seqs and the speculative tokens: shown, not written.
-    shown = "# cudagraph_capture_sizes = [6, 12, 18, 24, 30, 36, 42, 48, 54, 60, 66, 72]  (unset: "
+    shown = "# cudagraph_capture_sizes = [5, 6, 12, 18, 24, 30, 35, 36, 42, 48, 54, 60, 66, 72]  (unset: "
     assert shown in text.split("[serving]", 1)[1].split("[supervisor]", 1)[0]
 
 
@@ -77,13 +81,13 @@ def test_rendered_template_carries_the_gb10_defaults(tmp_path):
     assert "VLLM_USE_BREAKABLE_CUDAGRAPH=0 \\\n" in r.stdout
     assert "--long-prefill-token-threshold 1024 \\\n" in r.stdout
     assert "--gpu-memory-utilization 0.835 \\\n" in r.stdout
-    assert "--cudagraph-capture-sizes 6 12 18 24 30 36 42 48 54 60 66 72 \\\n" in r.stdout
+    assert "--cudagraph-capture-sizes 5 6 12 18 24 30 35 36 42 48 54 60 66 72 \\\n" in r.stdout
 
     cluster = C.load(path)
     for node in cluster.nodes:
         launch = render(cluster, node)
         f = flags(launch.argv)
-        assert f["--cudagraph-capture-sizes"] == [str(n) for n in MULTIPLES_OF_6]
+        assert f["--cudagraph-capture-sizes"] == [str(n) for n in TEMPLATE_SIZES]
         assert "--max-cudagraph-capture-size" not in f  # vLLM takes the largest size as the maximum
         assert f["--long-prefill-token-threshold"] == ["1024"]
         assert f["--gpu-memory-utilization"] == ["0.835"]
@@ -92,9 +96,14 @@ def test_rendered_template_carries_the_gb10_defaults(tmp_path):
 
 def test_capture_sizes_follow_the_verify_rows_and_the_operator():
     s = C.ServingConfig()
-    assert s.capture_sizes == MULTIPLES_OF_6
-    assert C.ServingConfig(max_num_seqs=6).capture_sizes == list(range(6, 37, 6))
-    assert C.ServingConfig(max_cudagraph_capture_size=36).capture_sizes == list(range(6, 37, 6))
+    assert s.capture_sizes == TEMPLATE_SIZES
+    assert C.ServingConfig(max_num_seqs=6).capture_sizes == [5, *range(6, 37, 6)]
+    assert C.ServingConfig(max_cudagraph_capture_size=36).capture_sizes == [5, 6, 12, 18, 24, 30, 35, 36]
+    # 13 requests: 65 draft tokens, which no multiple of 6 up to 78 rounds to (it ran eager).
+    assert C.ServingConfig(max_num_seqs=13).capture_sizes == sorted([*range(6, 79, 6), 5, 35, 65])
+    # Another method's draft is not DSpark's: the verify rows alone.
+    assert C.ServingConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3}).capture_sizes \
+        == list(range(4, 49, 4))
     assert C.ServingConfig(cudagraph_capture_sizes=[12, 6, 6]).capture_sizes == [6, 12]
     # Without speculative decoding vLLM's own list is left alone.
     plain = C.ServingConfig(speculative_config=None)
@@ -106,6 +115,57 @@ def _cluster(serving: C.ServingConfig) -> C.Cluster:
     return C.Cluster(model=C.ModelConfig(path="/m"), serving=serving,
                      nodes=(C.NodeConfig(name="a", rank=0, address="10.0.0.1"),
                             C.NodeConfig(name="b", rank=1, address="10.0.0.2")))
+
+
+def test_capture_sizes_that_leave_a_decode_batch_without_a_full_graph_are_refused(tmp_path):
+    """A user's list or largest size is judged by dspark.graph_dispatch (proven against vLLM's
+    own managers in tests/overlay/test_graph_grid.py): one line naming the field, the batches,
+    the mode they fall to on which release, and the fix; the fix itself passes."""
+    def problems(**serving):
+        return [x for x in C.check(_cluster(C.ServingConfig(**serving))) if "FULL CUDA graph" in x]
+
+    # Before the fix dspark itself rendered this list for 13 requests: the draft's last batch
+    # (65 tokens) ran eager.
+    old = list(range(6, 79, 6))
+    p = problems(max_num_seqs=13, cudagraph_capture_sizes=old)
+    assert p == ["serving.cudagraph_capture_sizes: leaves DSpark draft batches of 13 requests (NONE on 0.28.0) "
+                 "without a FULL CUDA graph (vLLM's model runner v2 replays one only at a captured size of at "
+                 "least a batch's tokens, rounded to whole requests); add 65 to it, or remove it for dspark's "
+                 "list"], p
+    assert not problems(max_num_seqs=13, cudagraph_capture_sizes=old + [65])
+    assert not problems(max_num_seqs=13)  # dspark's own list
+    # vLLM's own list: 5 and 9 requests verify PIECEWISE on 0.28.0 (FULL, padded, on 0.29.0).
+    vllm_list = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72]
+    p = problems(cudagraph_capture_sizes=vllm_list)
+    assert len(p) == 1 and "verify batches of 5, 9 requests (PIECEWISE on 0.28.0)" in p[0], p
+    assert p[0].endswith("; add 30, 54 to it, or remove it for dspark's list"), p
+    assert not problems(cudagraph_capture_sizes=vllm_list + [30, 54])
+    assert not problems(cudagraph_capture_sizes=vllm_list, runtime_line="v0.29.0", vllm_command=["vllm"])
+    # A largest size below the verify rows of max_num_seqs requests.
+    p = problems(max_cudagraph_capture_size=36)
+    assert len(p) == 1 and p[0].startswith("serving.max_cudagraph_capture_size: leaves verify batches of "
+                                           "7-12 requests (NONE on 0.28.0); DSpark draft batches of 8-12 "
+                                           "requests (NONE on 0.28.0)"), p
+    assert p[0].endswith("; raise it to 72, or remove it for dspark's list"), p
+    assert not problems(max_cudagraph_capture_size=72)
+    # Without speculative decoding vLLM's own list drops its FULL graphs above max_num_seqs
+    # tokens, so no largest size covers 9..12 requests: a whole list is named.
+    p = problems(speculative_config=None, max_cudagraph_capture_size=8)
+    assert p and p[0].endswith("; set cudagraph_capture_sizes = [1, 2, 4, 8, 9, 10, 11, 12] instead"), p
+    assert not problems(speculative_config=None, cudagraph_capture_sizes=[1, 2, 4, 8, 9, 10, 11, 12])
+    # No graphs, nothing to cover.
+    assert not problems(max_cudagraph_capture_size=36, extra_args=["--enforce-eager"])
+
+    # Through the command a user runs: `dspark config check` refuses the file, exit 2.
+    text = filled_template(tmp_path).read_text().replace("\nmax_num_seqs = 12\n", "\nmax_num_seqs = 13\n"
+                                                         "cudagraph_capture_sizes = [6, 12, 18, 24, 30, 36, 42, "
+                                                         "48, 54, 60, 66, 72, 78]\n", 1)
+    path = tmp_path / "uncovered.toml"
+    path.write_text(text)
+    r = invoke_dspark("config", "check", "--config", str(path))
+    assert r.returncode == 2 and "add 65 to it" in r.stderr, (r.returncode, r.stdout, r.stderr)
+    r = invoke_dspark("render", "--config", str(path), "--node", "a")
+    assert r.returncode == 2 and "add 65 to it" in r.stderr, (r.returncode, r.stderr)
 
 
 def test_contradicting_settings_are_refused_before_vllm_refuses_them():
@@ -155,7 +215,7 @@ def test_vllm_parses_the_rendered_flags_and_knows_the_environment(tmp_path, monk
     wanted = ["--cudagraph-capture-sizes", "--long-prefill-token-threshold", "--gpu-memory-utilization",
               "--max-num-seqs", "--max-num-batched-tokens"]
     args = parser.parse_args([w for flag in wanted for w in [flag, *f[flag]]])
-    assert args.cudagraph_capture_sizes == MULTIPLES_OF_6
+    assert args.cudagraph_capture_sizes == TEMPLATE_SIZES
     assert args.max_cudagraph_capture_size is None
     assert args.long_prefill_token_threshold == 1024
     assert args.gpu_memory_utilization == 0.835
@@ -221,8 +281,12 @@ def test_every_verify_batch_replays_a_full_graph_at_its_own_size(vllm):
     # After: the template's sizes; every batch of 1..12 requests replays FULL, unpadded.
     sizes = C.ServingConfig().capture_sizes
     after_sizes, after = _vllm_capture_sizes({"cudagraph_capture_sizes": sizes})
-    assert after_sizes == sizes == MULTIPLES_OF_6 and after.max_cudagraph_capture_size == 72
+    assert after_sizes == sizes == TEMPLATE_SIZES and after.max_cudagraph_capture_size == 72
     assert _decode_dispatch(after) == {n: ("FULL", 6 * n) for n in range(1, 13)}
+    # dspark's model of this dispatch (what `dspark config check` judges with) says the same.
+    for sizes, dispatched in ((before_sizes, got), (after_sizes, _decode_dispatch(after))):
+        model = G.coverage(sizes, 12, K, None, "0.28.0")["target"]
+        assert {b.reqs: (b.mode, b.padded) for b in model} == dispatched
 
 
 def test_vllm_turns_breakable_graphs_on_for_deepseek_v4_unless_the_variable_is_set(vllm):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config_toml import toml_value
+from .graph_dispatch import covering_sizes, draft_query_len
 
 DEFAULT_CONFIG_PATH = Path("/etc/dspark/cluster.toml")
 PLACEHOLDER = "CHANGEME"
@@ -174,13 +175,18 @@ class ServingConfig:
         bounds=(1, 1 << 20), source="seed 001 (72 = 12 x 6)")
     cudagraph_capture_sizes: list[int] | None = _f(
         None, help="CUDA-graph capture sizes (vLLM --cudagraph-capture-sizes); default with speculative "
-                   "decoding: every multiple of (speculative tokens + 1) up to the largest capture size "
-                   "(6, 12, ..., 72), without: vLLM's own list.",
-        example=[6, 12, 18, 24, 30, 36], bounds=(1, 1 << 20),
+                   "decoding: every multiple of (speculative tokens + 1) up to the largest capture size, "
+                   "plus, for DSpark's draft (k tokens a request), each n x k that no multiple rounds to "
+                   "(5, 6, 12, 18, 24, 30, 35, 36, ..., 72); without: vLLM's own list. dspark config check "
+                   "refuses a list that leaves a decode batch of 1..max_num_seqs requests without a FULL "
+                   "graph, naming the sizes to add.",
+        example=[5, 6, 12, 18, 24, 30, 35, 36], bounds=(1, 1 << 20),
         source="vLLM 0.28.0's model runner v2 (which DSpark forces) replays a FULL decode graph for n "
-               "requests only at a capture size that is a multiple of n's rows (v1/worker/gpu/"
-               "cudagraph_utils.py): with its default sizes 1, 2, 4, 8, ..., 72, batches of 5 and 9 "
-               "requests fall to PIECEWISE (tests/test_config_sources.py)")
+               "requests only at a captured size rounded up to whole requests of at least n's tokens "
+               "(v1/worker/gpu/cudagraph_utils.py): with its default sizes 1, 2, 4, 8, ..., 72, batches "
+               "of 5 and 9 requests verify PIECEWISE; with multiples of k + 1 alone the draft's 1 and 7 "
+               "requests were padded and, wherever k + 1 divides max_num_seqs - 1 (13 x 5), its last "
+               "batch ran eager (tests/overlay/test_graph_grid.py: S 1..64 x k 1..7, both lines)")
     load_format: str | None = _f(None, help="vLLM --load-format ('dummy' gives random weights).", example="auto",
                                  source="vLLM's default (auto)")
     skip_tokenizer_init: bool = _f(False, help="Serve token-id prompts only, without a tokenizer.", example=False,
@@ -210,15 +216,19 @@ class ServingConfig:
     @property
     def capture_sizes(self) -> list[int] | None:
         """The sizes dspark passes as --cudagraph-capture-sizes, or None to leave vLLM's own list
-        (no speculative decoding): with k speculative tokens every batch of n requests verifies
+        (no speculative decoding). With k speculative tokens every batch of n requests verifies
         n x (k + 1) rows, and vLLM's model runner v2 replays a FULL decode graph only at a size
-        that is a multiple of k + 1, so every multiple up to the largest size is captured."""
+        that is a multiple of a batch's tokens a request, so every multiple of k + 1 up to the
+        largest size is captured; DSpark's draft runs k tokens a request, and vLLM rounds each
+        size up to a multiple of k for it, so n x k is added for each n that no multiple of
+        k + 1 rounds to (dspark.graph_dispatch.covering_sizes)."""
         if self.cudagraph_capture_sizes is not None:
             return sorted(set(self.cudagraph_capture_sizes))
-        step = self.num_speculative_tokens + 1
-        if step == 1:
+        k = self.num_speculative_tokens
+        if k == 0:
             return None
-        return list(range(step, self.cudagraph_capture_size + 1, step)) or [self.cudagraph_capture_size]
+        return covering_sizes(self.max_num_seqs, k, self.cudagraph_capture_size,
+                              draft_query_len(self.speculative_config))
 
 
 @dataclass(frozen=True)
