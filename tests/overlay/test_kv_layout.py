@@ -123,6 +123,16 @@ def test_stock_vllm_launches_the_row_counts_the_line_saw_fault(stock_site, flash
     assert rows["prefill 2 tokens"] == [2], rows
     assert rows["decode 1 seq, DSpark draft (5 rows)"] == [5], rows
     assert rows["decode 2 seqs, DSpark draft (10 rows)"] == [10], rows
+    # With DSpark stock vLLM splits every prompt of up to 11 tokens as a decode and launches
+    # it at its own row count: a 4-token prompt as 4 rows, the issue's mixed step as [1000] and
+    # [16] (the series before 0011 did the same, snapping 2, 3, 5 -> 6 but keeping 4).
+    short = short_prompt_table(results)["DSpark k=5"]
+    assert short["4"]["alone"] == [["decode", 4]], short["4"]
+    assert short["2"]["alone"] == [["decode", 2]], short["2"]
+    assert short["4"]["+ 2 decodes + 1000-token prompt"] == [["prefill", 1000], ["decode", 16]], short["4"]
+    # Stock pads no prompt either: only prompts of 6 and 8 tokens without speculation
+    # (8 of the 96 steps) reach FlashInfer as the line ran them.
+    assert len(short_prompt_mismatches(results)) == 88
 
 
 # ------------------------------------------------------------------ short prompts (issue 31)

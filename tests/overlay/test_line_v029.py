@@ -30,6 +30,7 @@ from dspark.overlay import (
 )
 
 from . import attn_tensor_checks
+from .test_kv_layout import short_prompt_mismatches, short_prompt_table
 from .conftest import LINE_029, OVERLAY_DIR, REPO, run_checks
 from .run_cuda_checks import added_file
 
@@ -278,6 +279,21 @@ def test_the_dspark_width_and_the_c128a_widths_reach_flashinfer_unpadded_on_029(
         assert c128a in {w[2] for w in seen if w[2] is not None}, (max_len, seen)
 
 
+def test_short_prompts_reach_flashinfer_as_prefills_on_029(layout_029):
+    """0011 (the v0.28.0 file) on vLLM 0.29.0: prompts of 1 to 12 tokens, alone and beside
+    running requests and a 1,000-token prompt, with DSpark (decode threshold 11) and without,
+    reach FlashInfer as prefills at the line's widths through 0.29.0's own builders and split,
+    the SWA and C128A splits agreeing; DSpark's draft step and a padded graph batch keep vLLM's
+    split (test_kv_layout.py states each expectation)."""
+    assert json.loads(layout_029["short prompts: decode thresholds"]) == {"DSpark k=5": 11, "no speculation": 1}
+    assert short_prompt_mismatches(layout_029) == []
+    splits = json.loads(layout_029["short prompts: splits"])
+    assert all(split["c128a"] == split["swa"][2:] for prompts in splits.values()
+               for mixes in prompts.values() for split in mixes.values()), splits
+    guards = json.loads(layout_029["short prompts: guards"])
+    assert all(g["split"]["swa"] == g["vllm's split"] for g in guards.values()), guards
+
+
 def test_stock_029_launches_the_row_counts_the_line_saw_fault(stock_site_029, python_029):
     """Stock vLLM 0.29.0 has no nvfp4_ds_mla and launches a 2-token prefill and DSpark's 5-row
     draft block as they come: what the ported 0002 and 0003 change."""
@@ -288,3 +304,8 @@ def test_stock_029_launches_the_row_counts_the_line_saw_fault(stock_site_029, py
     assert rows["prefill 2 tokens"] == [2], rows
     assert rows["decode 1 seq, DSpark draft (5 rows)"] == [5], rows
     assert rows["decode 2 seqs, DSpark draft (10 rows)"] == [10], rows
+    short = short_prompt_table(results)["DSpark k=5"]
+    assert short["4"]["+ 2 decodes + 1000-token prompt"] == [["prefill", 1000], ["decode", 16]], short["4"]
+    # Stock pads no prompt either: only prompts of 6 and 8 tokens without speculation
+    # (8 of the 96 steps) reach FlashInfer as the line ran them.
+    assert len(short_prompt_mismatches(results)) == 88
