@@ -49,8 +49,9 @@ class Serve:
         self.sock.bind(self.sock_path)
         self.sock.settimeout(0.2)
         self.messages: list[str] = []
+        self.t0_file = tmp / f"standin-t0-{node}"
         env = {**os.environ, "NOTIFY_SOCKET": self.sock_path, "WATCHDOG_USEC": "4000000",
-               **{k: str(v) for k, v in standin_env.items()}}
+               "STANDIN_T0_FILE": str(self.t0_file), **{k: str(v) for k, v in standin_env.items()}}
         self.cluster = C.load(cluster)
         self.node = self.cluster.node(node)
         self.proc = subprocess.Popen(dspark_cmd("serve", "--config", str(cluster), "--node", node, "--skip-plan",
@@ -72,6 +73,12 @@ class Serve:
         if until is not None:
             raise AssertionError(f"no {until!r} within {timeout} s; got {self.messages}")
         return self.messages
+
+    def standin_t0(self) -> float:
+        """The monotonic moment the stand-in's STANDIN_*_AFTER times count from (its latest
+        start): on a loaded host it starts seconds after this process, so a bound measured
+        from self.t0 would count those seconds against the supervisor."""
+        return float(self.t0_file.read_text())
 
     def state(self) -> dict:
         return get_json(self.node.agent_url + "/state")

@@ -2,6 +2,7 @@
 
 Behaviour is chosen with STANDIN_* environment variables:
   STANDIN_ENV_FILE     write this process's environment there (JSON)
+  STANDIN_T0_FILE      write the monotonic moment the *_AFTER times count from there
   STANDIN_IGNORE_TERM  ignore SIGTERM (the supervisor must escalate to SIGKILL)
   STANDIN_EXIT_AFTER   exit with code 1 after this many seconds
   STANDIN_FAIL_AFTER   answer completions with HTTP 500 after this many seconds
@@ -35,6 +36,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 argv = sys.argv[1:]
 env = os.environ
 t0 = time.monotonic()
+if env.get("STANDIN_T0_FILE"):  # the moment the stand-in's clocks (STANDIN_*_AFTER) start from
+    with open(env["STANDIN_T0_FILE"], "w") as f:
+        f.write(repr(t0))
 
 if env.get("STANDIN_ENV_FILE"):
     with open(env["STANDIN_ENV_FILE"], "w") as f:

@@ -243,15 +243,17 @@ def _many_nodes(n: int) -> dict:
 
 @contextlib.contextmanager
 def _timed(out: list[float]):
-    """Wall time without the garbage collector's passes (their cost grows with every object
-    the test holds, not with what validation does)."""
+    """This thread's CPU time without the garbage collector's passes (their cost grows with
+    every object the test holds, not with what validation does). CPU time, not wall time: on a
+    loaded host the wall time of one run also holds whatever ran while this thread waited for a
+    core (a 15,000-node run measured 2.2 s wall against 0.1 s for 1,500 at a load of 10)."""
     gc.collect()
     gc.disable()
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     try:
         yield
     finally:
-        out.append(time.perf_counter() - t0)
+        out.append(time.thread_time() - t0)
         gc.enable()
 
 
@@ -282,11 +284,11 @@ def test_validation_is_linear_in_the_node_count():
     cross-node 0.012 s -> 0.14 s (before: 0.048 s -> 4.2 s)."""
     small, big = _many_nodes(1_500), _many_nodes(15_000)
     base = min(_validate_s(small) for _ in range(2))
-    took = _validate_s(big)
+    took = min(_validate_s(big) for _ in range(2))
     assert took < max(base, 0.05) * 30, (base, took)
     small, big = _nodes_only(1_500), _nodes_only(15_000)
     base = min(_check_s(small) for _ in range(2))
-    took = _check_s(big)
+    took = min(_check_s(big) for _ in range(2))
     assert took < max(base, 0.05) * 20, (base, took)
 
 

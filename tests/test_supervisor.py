@@ -74,7 +74,7 @@ def test_liveness_lost_although_health_answers(tmp_path, serve):
     # /health keeps answering 200; only real completions fail (as after a worker died).
     s = serve(write_cluster(tmp_path), "h", STANDIN_FAIL_AFTER=3)
     s.read(until="READY=1")
-    t_fail = s.t0 + 3
+    t_fail = s.standin_t0() + 3
     assert s.wait(timeout=30) == EXIT_DIED
     assert "liveness lost" in s.messages[-1]
     assert time.monotonic() - t_fail < 10
@@ -179,7 +179,7 @@ def test_a_stalled_engine_is_detected_within_stall_s_while_health_answers(tmp_pa
     while time.monotonic() - s.t0 < 4:
         assert s.state()["state"] == "serving"
         time.sleep(0.2)
-    t_stall = s.t0 + 4  # the stand-in starts after s.t0, so its stall is no earlier than this
+    t_stall = s.standin_t0() + 4  # when the stand-in's engine stalls
     # Detected when the supervisor says so (STOPPING=1 with the reason, sent before it
     # stops vLLM), so the stop's own duration on a loaded host is not counted.
     s.read(until="engine stalled", timeout=30)
