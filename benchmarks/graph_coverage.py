@@ -58,6 +58,16 @@ def _site_packages() -> Path:
     return Path(spec.origin).resolve().parents[1]
 
 
+def stock_tree():
+    """tests/overlay/stock_tree.py, loaded by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dspark_stock_tree", REPO / "tests" / "overlay" / "stock_tree.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def patched_copy(dest: Path, overlay_dir: Path) -> Path:
     """A copy of the installed vLLM tree with the overlay series applied."""
     sys.path.insert(0, str(REPO / "src"))
@@ -67,6 +77,7 @@ def patched_copy(dest: Path, overlay_dir: Path) -> Path:
     shutil.copytree(source / "vllm", dest / "vllm", ignore=shutil.ignore_patterns("__pycache__"))
     for dist in source.glob("vllm*.dist-info"):
         shutil.copytree(dist, dest / dist.name)
+    stock_tree().make_stock(dest)  # the local series .ci/setup applies to the installed tree, reversed
     apply_series(dest, overlay_dir)
     return dest
 

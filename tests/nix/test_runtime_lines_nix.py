@@ -241,6 +241,12 @@ def stage_prefix(tmp_path: Path, site: Path) -> tuple[Path, Path]:
             shutil.copy2(site / rel, staged / rel)
     (out / "bin").mkdir(parents=True)
     (out / "bin" / "python").symlink_to(Path(sys.executable))
+    # Stock files: .ci/setup applies each line's local series (overlay/local-series) to the
+    # installed tree the local pair runs; reversed here (tests/overlay/stock_tree.py).
+    spec = importlib.util.spec_from_file_location("dspark_stock_tree", REPO / "tests" / "overlay" / "stock_tree.py")
+    stock_tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stock_tree)
+    stock_tree.make_stock(staged)
     return out, staged
 
 

@@ -27,7 +27,8 @@ def installed_site_packages() -> Path:
 
 
 def copy_vllm_tree(source_site: Path, dest_site: Path) -> Path:
-    """Copy ``vllm/`` (and its dist-info) from one site-packages to another."""
+    """Copy ``vllm/`` (and its dist-info) from one site-packages to another: a stock tree, with
+    the line's local series (.ci/setup applies it to the local pair's vLLM) reversed."""
     dest_site.mkdir(parents=True, exist_ok=True)
     shutil.copytree(
         source_site / "vllm",
@@ -36,7 +37,16 @@ def copy_vllm_tree(source_site: Path, dest_site: Path) -> Path:
     )
     for dist in source_site.glob("vllm*.dist-info"):
         shutil.copytree(dist, dest_site / dist.name)
+    stock_tree().make_stock(dest_site)
     return dest_site
+
+
+def stock_tree():
+    """stock_tree.py, loaded by path: benchmarks load this conftest as a plain module."""
+    spec = importlib.util.spec_from_file_location("dspark_stock_tree", Path(__file__).with_name("stock_tree.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_checks(site: Path, script: Path = CHECKS, *args: str, path: tuple[Path, ...] = (),
