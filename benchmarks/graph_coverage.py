@@ -68,12 +68,13 @@ def stock_tree():
     return module
 
 
-def patched_copy(dest: Path, overlay_dir: Path) -> Path:
-    """A copy of the installed vLLM tree with the overlay series applied."""
+def patched_copy(dest: Path, overlay_dir: Path, source: Path | None = None) -> Path:
+    """A copy of the installed vLLM tree (or of the site directory ``source``) with the overlay
+    series (a directory or a series file) applied."""
     sys.path.insert(0, str(REPO / "src"))
     from dspark.overlay import apply_series
 
-    source = _site_packages()
+    source = source or _site_packages()
     shutil.copytree(source / "vllm", dest / "vllm", ignore=shutil.ignore_patterns("__pycache__"))
     for dist in source.glob("vllm*.dist-info"):
         shutil.copytree(dist, dest / dist.name)
@@ -161,6 +162,124 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- the S x k grid
+GRID_SEQS = range(1, 65)
+GRID_K = range(1, 8)
+GRID_CHECKS = OVERLAY_TESTS / "graph_grid_checks.py"
+GRID_MARKS = {"exact": ".", "padded": "p", "eager": "x"}
+
+
+def grid_cases() -> list[dict]:
+    """Each grid point twice: the former rule (multiples of k + 1 only) and dspark's list now
+    (ServingConfig.capture_sizes, what render passes as --cudagraph-capture-sizes)."""
+    sys.path.insert(0, str(REPO / "src"))
+    from dspark.config import ServingConfig
+
+    out = []
+    for s in GRID_SEQS:
+        for k in GRID_K:
+            now = ServingConfig(max_num_seqs=s, speculative_config={"method": "dspark", "num_speculative_tokens": k})
+            for kind, sizes in (("before", list(range(k + 1, s * (k + 1) + 1, k + 1))),
+                                ("now", now.capture_sizes)):
+                out.append({"S": s, "k": k, "kind": kind, "sizes": sizes, "max": None,
+                            "mnbt": now.max_num_batched_tokens})
+    return out
+
+
+def grid_lines() -> dict[str, tuple[Path, str]]:
+    """line -> (its vLLM site directory, its Python) for each runtime line installed here: the
+    default line in this environment, the others under dspark.local.lines_dir()."""
+    sys.path.insert(0, str(REPO / "src"))
+    from dspark import runtime_lines
+    from dspark.local import lines_dir
+
+    lines = runtime_lines.load()
+    out = {lines.default: (_site_packages(), sys.executable)}
+    for line in lines.lines:
+        found = sorted((lines_dir() / line).glob("lib/python3*/site-packages"))
+        if line != lines.default and found and (found[0] / "vllm").is_dir():
+            out[line] = (found[0], str(found[0].parents[2] / "bin" / "python"))
+    return out
+
+
+def collect_grid(line: str, timeout: float = 1800) -> dict:
+    """Every grid case through vLLM's own managers (graph_grid_checks.py) on a copy of the line's
+    vLLM with the line's series applied, in the line's Python."""
+    sys.path.insert(0, str(REPO / "src"))
+    from dspark.overlay import line_series
+
+    installed = grid_lines()
+    if line not in installed:
+        return {"error": f"runtime line {line} is not installed here (.ci/setup installs the lines)"}
+    source, python = installed[line]
+    todo = grid_cases()
+    with tempfile.TemporaryDirectory(prefix="graph-grid-") as tmp:
+        tmp = Path(tmp)
+        site = patched_copy(tmp / "site", line_series(line), source=source)
+        cases = tmp / "cases.json"
+        cases.write_text(json.dumps(todo))
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
+                   PYTHONPATH=os.pathsep.join(map(str, (site, OVERLAY_TESTS))))
+        env.pop("PYTHONWARNINGS", None)
+        r = subprocess.run([python, str(GRID_CHECKS), str(site), str(cases)], capture_output=True, text=True,
+                           env=env, timeout=timeout, check=False)
+    for out in r.stdout.splitlines():
+        if out.startswith("@@RESULTS@@"):
+            return {"line": line, "cases": todo, "results": json.loads(out[len("@@RESULTS@@"):])}
+    return {"error": f"graph_grid_checks.py did not report (exit {r.returncode}):\n{r.stderr[-4000:]}"}
+
+
+def grid_verdict(case: dict, got: dict, role: str) -> str:
+    """'exact': every batch of 1..S replays a FULL graph of its own tokens; 'padded': every one
+    replays FULL, some at a larger size; 'eager': some batch runs PIECEWISE or eagerly."""
+    q = case["k"] + 1 if role == "target" else got["draft q_len"]
+    rows = got[role]
+    if any(mode != "FULL" for mode, _ in rows):
+        return "eager"
+    return "exact" if all(tokens == n * q for n, (_, tokens) in enumerate(rows, 1)) else "padded"
+
+
+def grid_summary(result: dict) -> dict:
+    """Per kind (before, now) and role: how many grid points are exact, padded, eager; and the
+    graphs the managers would capture, summed over the grid."""
+    out: dict = {}
+    for case, got in zip(result["cases"], result["results"]):
+        kind = out.setdefault(case["kind"], {"points": 0, "graphs": {"target": 0, "draft": 0}})
+        kind["points"] += 1
+        for role in ("target", "draft"):
+            verdict = grid_verdict(case, got, role)
+            kind.setdefault(role, {"exact": 0, "padded": 0, "eager": 0})[verdict] += 1
+            kind["graphs"][role] += got["graphs"][role]
+    return out
+
+
+def grid_report(result: dict) -> str:
+    by = {(c["kind"], c["S"], c["k"]): g for c, g in zip(result["cases"], result["results"])}
+    cases = {(c["kind"], c["S"], c["k"]): c for c in result["cases"]}
+    lines = [f"line {result['line']}: DSpark draft batches of 1..S requests, S = {GRID_SEQS[0]}..{GRID_SEQS[-1]} "
+             f"(columns) x k = {GRID_K[0]}..{GRID_K[-1]} (rows); '.' every batch in a FULL graph of its own "
+             "tokens, 'p' every batch FULL, some padded, 'x' some batch PIECEWISE or eager"]
+    for kind in ("before", "now"):
+        lines.append(f"{kind}:")
+        for k in GRID_K:
+            marks = "".join(GRID_MARKS[grid_verdict(cases[kind, s, k], by[kind, s, k], "draft")] for s in GRID_SEQS)
+            lines.append(f"  k={k} {marks}")
+    summary = grid_summary(result)
+    for kind in ("before", "now"):
+        f = summary[kind]
+        lines.append(
+            f"{kind}: draft: {f['draft']['exact'] + f['draft']['padded']} of {f['points']} points every batch "
+            f"FULL ({f['draft']['exact']} exact); target verify: {f['target']['exact'] + f['target']['padded']} "
+            f"FULL ({f['target']['exact']} exact); graphs over the grid: target {f['graphs']['target']}, "
+            f"draft {f['graphs']['draft']}")
+    return "\n".join(lines)
+
+
+def grid_goal_met(result: dict) -> bool:
+    f = grid_summary(result)["now"]
+    return f["draft"]["exact"] == f["target"]["exact"] == f["points"]
+
+
 def goal_met(result: dict) -> bool:
     f = summarize(result)
     return (f["target_in_graph"] == f["target_shapes"] and f["draft_in_graph"] == f["draft_shapes"]
@@ -175,12 +294,25 @@ def main(argv: list[str] | None = None) -> int:
         "serving; exit 0 when every decode shape is in a graph and nothing is planned after "
         "READY, 1 when not, 2 when the report could not be made.",
     )
-    ap.add_argument("config", type=Path, help="cluster file (for example the one 'dspark config "
+    ap.add_argument("config", type=Path, nargs="?", help="cluster file (for example the one 'dspark config "
                     "init' writes, or tests/fixtures/cluster-two-node.toml)")
+    ap.add_argument("--grid", action="store_true",
+                    help="instead of a cluster file: the S x k grid (max_num_seqs 1..64 x speculative tokens "
+                    "1..7, DSpark) through vLLM's own managers on each installed runtime line, the former "
+                    "capture sizes (multiples of k + 1) beside dspark's list now; exit 0 when now every "
+                    "verify and draft batch replays a FULL graph of its own tokens at every point")
+    ap.add_argument("--line", action="append", help="with --grid: this runtime line only (repeatable; "
+                    "default: every line installed here)")
     ap.add_argument("--overlay-dir", type=Path, default=REPO / "overlay",
                     help="patch series to apply to the copy of vLLM (default: overlay/)")
     ap.add_argument("--json", action="store_true", help="print the whole result as JSON")
     args = ap.parse_args(argv)
+    if args.grid:
+        if args.config is not None:
+            ap.error("give a cluster file or --grid, not both")
+        return grid_main(args.line or list(grid_lines()), args.json)
+    if args.config is None:
+        ap.error("a cluster file (or --grid) is needed")
     if not args.config.is_file():
         print(f"graph_coverage: no such file: {args.config}", file=sys.stderr)
         return 2
@@ -193,6 +325,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(report(result))
     return 0 if goal_met(result) else 1
+
+
+def grid_main(lines: list[str], as_json: bool) -> int:
+    results = []
+    for line in lines:
+        result = collect_grid(line)
+        if "error" in result:
+            print(result["error"], file=sys.stderr)
+            return 2
+        results.append(result)
+        if not as_json:
+            print(grid_report(result), flush=True)
+    if as_json:
+        print(json.dumps([{"line": r["line"], "summary": grid_summary(r), "cases": r["cases"],
+                           "results": r["results"]} for r in results]))
+    return 0 if all(grid_goal_met(r) for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ under a user's max_cudagraph_capture_size of half the verify rows.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -23,8 +24,19 @@ from dspark import graph_dispatch as G
 from .conftest import LINE_029, run_checks
 
 CHECKS = Path(__file__).with_name("graph_grid_checks.py")
+TOOL = Path(__file__).resolve().parents[2] / "benchmarks" / "graph_coverage.py"
 GRID = [(s, k) for s in range(1, 65) for k in range(1, 8)]
+# The model's proof on other lists takes every k and a third of the S (every remainder of S - 1
+# by k + 1 still appears), to keep the run short.
+PROOF_GRID = [(s, k) for s, k in GRID if s % 3 == 1 or s <= 16]
 MNBT = 8192
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("graph_coverage", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 LINES = {"v0.28.0": "0.28.0", LINE_029: "0.29.0"}
 
 
@@ -42,12 +54,13 @@ def vllm_default_list(top: int) -> list[int]:
 
 
 def cases() -> list[dict]:
-    out = []
-    for s, k in GRID:
+    """benchmarks/graph_coverage.py's grid (dspark's list now, the former rule before), and
+    more lists for the model's proof."""
+    out = _tool().grid_cases()
+    assert {(c["S"], c["k"]) for c in out} == set(GRID) and {c["kind"] for c in out} == {"now", "before"}
+    for s, k in PROOF_GRID:
         rows = s * (k + 1)
-        for kind, sizes in (("dspark", dspark_sizes(s, k)),
-                            ("before", list(range(k + 1, rows + 1, k + 1))),
-                            ("vllm list", vllm_default_list(rows)),
+        for kind, sizes in (("vllm list", vllm_default_list(rows)),
                             ("half", dspark_sizes(s, k, max_cudagraph_capture_size=max(1, rows // 2)))):
             out.append({"S": s, "k": k, "kind": kind, "sizes": sizes, "max": None, "mnbt": MNBT})
     return out
@@ -77,7 +90,7 @@ def _of(grid, kind):
 
 def test_every_verify_and_draft_batch_replays_a_full_graph_of_its_own_size(grid):
     bad = []
-    for case, got in _of(grid, "dspark"):
+    for case, got in _of(grid, "now"):
         assert got["draft q_len"] == case["k"]  # DSpark drafts k query tokens a request
         q = {"target": case["k"] + 1, "draft": case["k"]}
         for role in ("target", "draft"):
@@ -101,7 +114,7 @@ def test_the_added_sizes_leave_every_verify_batch_as_it_was(grid):
     """The draft's extra sizes change no target verify dispatch: the same FULL graph of the same
     rows as under multiples of k + 1 alone, and the same largest capture size."""
     before = {(c["S"], c["k"]): g for c, g in _of(grid, "before")}
-    for case, got in _of(grid, "dspark"):
+    for case, got in _of(grid, "now"):
         old = before[case["S"], case["k"]]
         assert got["target"] == old["target"], (case["S"], case["k"])
         assert max(got["sizes"]) == max(old["sizes"]), (case["S"], case["k"])
@@ -132,3 +145,19 @@ def test_dsparks_model_is_vllms_dispatch(grid):
     assert {("FULL", True), ("FULL", False), ("NONE", True)} <= seen, seen
     if vllm == "0.28.0":
         assert any(m == "PIECEWISE" for m, _ in seen), seen
+
+
+def test_the_tools_grid_report(grid):
+    """benchmarks/graph_coverage.py --grid's figures from the same cases: before, 336 of the 448
+    points had every draft batch FULL and none had all of them exact; now all 448 are exact."""
+    tool = _tool()
+    _, todo, got = grid
+    mine = [(c, g) for c, g in zip(todo, got) if c["kind"] in ("now", "before")]
+    result = {"line": "x", "cases": [c for c, _ in mine], "results": [g for _, g in mine]}
+    summary = tool.grid_summary(result)
+    assert summary["before"]["draft"] == {"exact": 0, "padded": 336, "eager": 112}, summary
+    assert summary["now"]["draft"] == summary["now"]["target"] == {"exact": 448, "padded": 0, "eager": 0}
+    assert summary["before"]["target"]["exact"] == 448
+    assert tool.grid_goal_met(result)
+    report = tool.grid_report(result)
+    assert "  k=5 xpppppxpppppx" in report and "  k=5 " + "." * 64 in report, report
