@@ -526,6 +526,12 @@ def _stand_in_metadata_kernels() -> None:
             if hasattr(module, name):
                 setattr(module, name, _NoGrid())
     sparse_swa._COMPUTE_PREFILL_METADATA_KERNEL = _no_launch
+    # vLLM 0.29.0's C128A builder sizes its window with triton.next_power_of_2, a host-side
+    # helper the CPU build's Triton placeholder lacks: vLLM's own, the same rounding.
+    if not hasattr(sparse_mla.triton, "next_power_of_2"):
+        from vllm.utils.math_utils import next_power_of_2
+
+        sparse_mla.triton.next_power_of_2 = next_power_of_2
 
 
 def _batch(prompt: int, mix: str, spec: bool) -> list[tuple[int, int, bool]]:
