@@ -60,14 +60,14 @@ def test_the_directory_holds_the_model_and_its_tokenizer(model_dir):
 
 def test_writes_are_byte_identical_and_fast(tmp_path):
     M.tokenizer_json.cache_clear()
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time of every thread: a loaded host's waits are not write()'s
     M.write(tmp_path / "a")
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     M.tokenizer_json.cache_clear()
     M.write(tmp_path / "b")
     for name in M.FILES:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
-    assert took < 5, f"write() took {took:.2f} s"
+    assert took < 5, f"write() took {took:.2f} s of CPU"
     # Another process (its own hash seeds, its own thread pool) writes the same bytes.
     code = f"from dspark import local_model as M; M.write({str(tmp_path / 'c')!r})"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,

@@ -75,9 +75,13 @@ def test_liveness_lost_although_health_answers(tmp_path, serve):
     s = serve(write_cluster(tmp_path), "h", STANDIN_FAIL_AFTER=3)
     s.read(until="READY=1")
     t_fail = s.standin_t0() + 3
+    # Judged when the supervisor says so (STOPPING=1 with the reason), not when it has exited:
+    # the stop's own duration on a loaded host is not the detection's.
+    s.read(until="liveness lost", timeout=30)
+    detected = time.monotonic() - t_fail
     assert s.wait(timeout=30) == EXIT_DIED
     assert "liveness lost" in s.messages[-1]
-    assert time.monotonic() - t_fail < 10
+    assert detected < 10, detected
 
 
 def test_worker_ready_in_the_rendezvous_and_leaves_when_the_head_is_gone(tmp_path, serve):
@@ -176,17 +180,23 @@ def test_a_stalled_engine_is_detected_within_stall_s_while_health_answers(tmp_pa
               STANDIN_TOKEN_S=0.05, STANDIN_STALL_AFTER=4)
     s.read(until="READY=1")
     completions(s.node.api_url, 3, max_tokens=1000)
-    while time.monotonic() - s.t0 < 4:
-        assert s.state()["state"] == "serving"
-        time.sleep(0.2)
     t_stall = s.standin_t0() + 4  # when the stand-in's engine stalls
+    worst = 0.0  # the slowest answer of the supervisor's agent: how late this host runs it now
+    while time.monotonic() < t_stall:
+        t = time.monotonic()
+        assert s.state()["state"] == "serving"
+        worst = max(worst, time.monotonic() - t)
+        time.sleep(0.2)
     # Detected when the supervisor says so (STOPPING=1 with the reason, sent before it
     # stops vLLM), so the stop's own duration on a loaded host is not counted.
     s.read(until="engine stalled", timeout=30)
     detected = time.monotonic() - t_stall
     assert s.wait(timeout=30) == EXIT_DIED
     assert "engine stalled: 3 running" in s.messages[-1], s.messages[-1]
-    assert detected < stall_s + interval + 4.0, detected  # + a round and a loaded host's slack
+    # stall_s, then at most a round, plus a loaded host's slack: 4 s, and twice the slowest
+    # answer measured above (the detection waits on one /metrics poll and one wake of the
+    # supervisor's loop, each as late as the host runs that process).
+    assert detected < stall_s + interval + 4.0 + 2 * worst, (detected, worst)
 
 
 def test_a_hung_idle_engine_is_caught_by_the_probe_and_the_watchdog_is_starved(tmp_path, serve):
