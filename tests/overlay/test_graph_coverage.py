@@ -103,4 +103,8 @@ def test_the_overlays_bucket_is_b12xs(patched_site):
 def test_tool_help():
     r = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True,
                        timeout=60)
-    assert r.returncode == 0 and "cluster file" in r.stdout, r.stderr
+    assert r.returncode == 0 and "cluster file" in r.stdout and "--grid" in r.stdout, r.stderr
+    # Neither a cluster file nor --grid, or both: a usage error (exit 2), nothing run.
+    for args in ([], ["--grid", str(CLUSTER)]):
+        r = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--grid" in r.stderr, (args, r.returncode, r.stderr)
