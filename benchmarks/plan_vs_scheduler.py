@@ -1,27 +1,32 @@
-"""`dspark plan`'s concurrency figures side by side with what vLLM 0.28.0's own scheduler runs.
+"""`dspark plan`'s context at max_num_seqs side by side with what vLLM 0.28.0's own scheduler runs.
 
-For each setting (the serving defaults, read from dspark's config at run time, and one
-change at a time: max_num_seqs 4 and 16, max_model_len 131,072 and 1,048,576,
-max_num_batched_tokens 2,048, async scheduling off, TP=4, no long-prefill threshold) the
-plan of the published DeepSeek V4 Flash checkpoint gives its pool (KV cache per rank), the
-longest context each of max_num_seqs concurrent requests runs with, and how many requests
-of the full max_model_len run at once. tests/overlay/scheduler_sim.py then drives vLLM's
-own Scheduler and KVCacheManager on CPU (the overlay applied to a copy of the installed
-vLLM, SM12x simulated, fake model outputs, two batches in flight with async scheduling, no
-prefix hits) with that pool and those workloads: each figure must run without preemption
-at 95% of itself and must not at 105% (the context) or one request more (the count).
-With --rounds N the simulation also bisects that bracket N times, to show where its own
-limit lies.
+For each setting of the grid (gpu_memory_utilization 0.70, 0.78, 0.835, 0.90 x max_num_seqs 4,
+12, 16, 32; then, at the serving defaults read from dspark's config at run time, one change at
+a time: max_model_len 131,072 and 1,048,576, max_num_batched_tokens 2,048, async scheduling
+off, TP=4, no long-prefill threshold) the plan of the published DeepSeek V4 Flash checkpoint
+gives its pool (KV cache per rank) and the longest context each of max_num_seqs concurrent
+requests runs with. tests/overlay/scheduler_sim.py then drives vLLM's own Scheduler and
+KVCacheManager on CPU (the overlay applied to a copy of the installed vLLM, SM12x simulated,
+a real SpeculativeConfig for DSpark k=5, prefix caching on, fake model outputs, two batches
+in flight with async scheduling) with that pool: max_num_seqs requests, each a prompt of the
+length less 4 tokens, sent together, must all hold their KV at once (each decoded 4 tokens)
+with no preemption.
 
-    .venv/bin/python benchmarks/plan_vs_scheduler.py              # the table, about 10 min on 2 cores
-    .venv/bin/python benchmarks/plan_vs_scheduler.py --only defaults --rounds 0
+vLLM's figure is searched on a grid bounded in runs (the sim's ``edge`` case): the plan's
+figure P, P x 0.99 ... 0.95 and P x 0.90, 0.75, 0.50 below it (admission is not monotone in
+length, so every shorter length tried must run too), then P x 1.01, 1.02, ... up to 1.05
+until one fails. vLLM's figure is the longest length tried with every shorter one running.
+A setting passes when the plan is at most vLLM's figure and at least 95% of it. Exit 1 if
+any does not.
+
+    .venv/bin/python benchmarks/plan_vs_scheduler.py              # the grid, about 20 min on 2 cores
+    .venv/bin/python benchmarks/plan_vs_scheduler.py --only "0.78 x 12"
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -32,14 +37,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SIM = REPO / "tests" / "overlay" / "scheduler_sim.py"
 OVERLAY_DIR = REPO / "overlay"
-DECODE = 1024    # tokens of room each simulated request leaves for decoding (it decodes a few)
 TOLERANCE = 0.05
+BELOW = (0.99, 0.98, 0.97, 0.96, 0.95, 0.90, 0.75, 0.50)
+STEP, UP = 0.01, 5      # P x 1.01 ... 1.05, stopping at the first failure
+DECODE = 1024           # tokens each simulated request may decode (it stops once all run)
+SMALLEST = 2048         # tried when the plan says no length runs
+
+UTILIZATIONS = (0.70, 0.78, 0.835, 0.90)
+SEQS = (4, 12, 16, 32)
 
 # (name, the PlanInputs fields it changes from the defaults)
 SETTINGS: list[tuple[str, dict]] = [
-    ("defaults", {}),
-    ("max_num_seqs 4", {"max_num_seqs": 4}),
-    ("max_num_seqs 16", {"max_num_seqs": 16}),
+    *((f"{u} x {n}", {"gpu_memory_utilization": u, "max_num_seqs": n})
+      for u in UTILIZATIONS for n in SEQS),
     ("max_model_len 131,072", {"max_model_len": 131072}),
     ("max_model_len 1,048,576", {"max_model_len": 1048576}),
     ("max_num_batched_tokens 2,048", {"max_num_batched_tokens": 2048}),
@@ -68,42 +78,21 @@ def plans(only: list[str] | None = None):
     return out
 
 
-def cases(plan, rounds: int) -> list[dict]:
-    """The two simulated workloads that bracket the plan's two figures."""
+def case(plan, below=BELOW, up: int = UP, prefix_caching: bool = True) -> dict:
+    """The sim's search for vLLM's figure around the plan's context at max_num_seqs."""
     i = plan.inputs
-    # Room to decode: the earliest requests keep decoding while the last wave prefills
-    # (about n x length / max_num_batched_tokens steps, one token a step), so they must not
-    # finish first; the prompts are that much shorter than the length (at most 1/10).
-    def room(n: int, length: int) -> int:
-        steps = math.ceil(1.25 * n * length / i.max_num_batched_tokens)
-        return max(DECODE, min(steps + 64, length // 10))
-
-    common = {
+    at = plan.max_context_at_max_num_seqs
+    return {
         "kv_bytes": plan.kv_cache_bytes, "max_model_len": i.max_model_len,
         "max_num_seqs": i.max_num_seqs, "max_num_batched_tokens": i.max_num_batched_tokens,
         "async_scheduling": i.async_scheduling, "num_speculative_tokens": i.num_speculative_tokens,
-        "long_prefill_token_threshold": getattr(i, "long_prefill_token_threshold", 0),
-        "kv_cache_dtype": i.kv_cache_dtype,
+        "long_prefill_token_threshold": i.long_prefill_token_threshold,
+        "kv_cache_dtype": i.kv_cache_dtype, "enable_prefix_caching": prefix_caching,
+        "n": i.max_num_seqs, "decode": DECODE,
+        # A plan of 0 (no length runs): vLLM must not run SMALLEST either.
+        "edge": ({"plan": at, "below": list(below), "step": STEP, "up": up} if at
+                 else {"plan": SMALLEST, "below": [], "step": STEP, "up": 0}),
     }
-    at = plan.max_context_at_max_num_seqs
-    full = full_length(plan)
-    lo = max(DECODE + 1, math.floor(at * (1 - TOLERANCE)))
-    hi = min(i.max_model_len, math.ceil(at * (1 + TOLERANCE)))
-    return [
-        {**common, "n": i.max_num_seqs, "decode": room(i.max_num_seqs, hi),
-         "bisect": {"key": "length", "lo": lo, "hi": hi, "rounds": rounds}},
-        {**common, "length": i.max_model_len,
-         "decode": room(min(full + 1, i.max_num_seqs), i.max_model_len),
-         "bisect": {"key": "n", "lo": max(full, 1), "hi": min(full + 1, i.max_num_seqs),
-                    "rounds": 0}},
-    ]
-
-
-def full_length(plan) -> int:
-    """The plan's count of full-max_model_len requests at once (a plan from before the
-    scheduler model has only max_concurrency, whose whole part it printed)."""
-    n = getattr(plan, "full_length_requests", None)
-    return int(plan.max_concurrency) if n is None else n
 
 
 def overlay_conftest():
@@ -145,64 +134,61 @@ def simulate(site: Path, all_cases: list[dict], timeout: float) -> list[dict]:
     raise RuntimeError(f"scheduler_sim.py did not report:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
 
 
-def compare(only: list[str] | None = None, rounds: int = 0, site: Path | None = None,
-            timeout: float = 1800) -> list[dict]:
-    """One row per setting: the plan's figures and what the simulation ran."""
+def compare(only: list[str] | None = None, site: Path | None = None, timeout: float = 3600,
+            below=BELOW, up: int = UP, prefix_caching: bool = True) -> list[dict]:
+    """One row per setting: the plan and what vLLM's scheduler ran."""
     chosen = plans(only)
-    all_cases = [c for _, p in chosen for c in cases(p, rounds)]
+    all_cases = [case(p, below, up, prefix_caching) for _, p in chosen]
     with tempfile.TemporaryDirectory() as tmp:
         results = simulate(site or patched_site(Path(tmp) / "site"), all_cases, timeout)
-    rows = []
-    for k, (name, plan) in enumerate(chosen):
-        ctx, full = results[2 * k], results[2 * k + 1]
-        rows.append({"setting": name, "plan": plan, "context": ctx, "full": full})
-    return rows
+    return [{"setting": name, "plan": plan, "vllm": res}
+            for (name, plan), res in zip(chosen, results)]
 
 
 def verdict(row: dict) -> list[str]:
-    """What is wrong with a row (empty: the plan is within 5% of the simulation)."""
-    plan, ctx, full = row["plan"], row["context"], row["full"]
-    i = plan.inputs
+    """What is wrong with a row (empty: the plan is at most vLLM's figure and within 5%)."""
+    plan, res = row["plan"], row["vllm"]
+    at, n = plan.max_context_at_max_num_seqs, plan.inputs.max_num_seqs
+    if res.get("error"):
+        return [f"simulation error {res['error'][-400:]}"]
+    if not at:
+        return [] if not res["figure"] else [f"the plan says none run; vLLM ran {n} x {SMALLEST:,}"]
+    bad = [int(k) for k, v in res["runs"].items() if not v["ok"] and int(k) <= at]
     wrong = []
-    for what, res in (("context", ctx), ("full-length", full)):
-        if res.get("error"):
-            wrong.append(f"{what}: simulation error {res['error'][-400:]}")
-    at = plan.max_context_at_max_num_seqs
-    if not ctx.get("lo_ok"):
-        wrong.append(f"{i.max_num_seqs} x {ctx['runs']} : 95% of the plan's {at:,} did not run")
-    if ctx.get("hi_ok") and at * (1 + TOLERANCE) < i.max_model_len:
-        wrong.append(f"{i.max_num_seqs} requests ran at 105% of the plan's {at:,}")
-    n = full_length(plan)
-    if n >= 1 and not full.get("lo_ok"):
-        wrong.append(f"{n} full-length requests did not run: {full['runs']}")
-    if n < i.max_num_seqs and full["runs"].get(str(n + 1), {}).get("ok"):
-        wrong.append(f"{n + 1} full-length requests ran, the plan says {n}")
-    if n == 0 and full["runs"].get("1", {}).get("ok"):
-        wrong.append("1 full-length request ran, the plan says 0")
+    if bad:
+        wrong.append(f"above vLLM: {n} x {min(bad):,} did not all run (the plan says {at:,})")
+    if res["above"] and at < plan.inputs.max_model_len:
+        wrong.append(f"more than 5% below vLLM: {n} x {int(at * (1 + UP * STEP)):,} ran")
+    elif res["figure"] and at < (1 - TOLERANCE) * res["figure"]:
+        wrong.append(f"more than 5% below vLLM's {res['figure']:,}")
     return wrong
 
 
+def vllm_figure(row: dict) -> str:
+    res, at = row["vllm"], row["plan"].max_context_at_max_num_seqs
+    if not at:
+        return f"< {SMALLEST:,}" if not res["figure"] else f">= {SMALLEST:,}"
+    if res["above"] and at < row["plan"].inputs.max_model_len:
+        return f">= {res['figure']:,}"
+    return f"{res['figure']:,}"
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| setting | pool blocks | plan: context at max_num_seqs | vLLM sim: ran / failed "
-            "| plan: full-length at once | vLLM sim: ran / failed | admission reserve |")
-    lines = [head, "|" + " --- |" * 7]
+    head = ("| setting | KV per rank | pool blocks | plan: context at max_num_seqs "
+            "| vLLM: longest with every shorter running | plan / vLLM | failed | verdict |")
+    lines = [head, "|" + " --- |" * 8]
     for row in rows:
-        p, ctx, full = row["plan"], row["context"], row["full"]
-        n = full_length(p)
-        f_ran = max((int(k) for k, v in full["runs"].items() if v.get("ok")), default=0)
-        f_bad = min((int(k) for k, v in full["runs"].items() if not v.get("ok")), default=None)
+        p, res = row["plan"], row["vllm"]
+        at, fig = p.max_context_at_max_num_seqs, res.get("figure") or 0
+        failed = [int(k) for k, v in res.get("runs", {}).items() if not v["ok"]]
+        wrong = verdict(row)
         lines.append(
-            f"| {row['setting']} | {ctx.get('num_blocks') or 0:,} "
-            f"| {p.inputs.max_num_seqs} x {p.max_context_at_max_num_seqs:,} "
-            f"| {_n(ctx.get('ran'))} / {_n(ctx.get('failed'))} "
-            f"| {n} of {p.inputs.max_model_len:,} | {f_ran} / {_n(f_bad)} "
-            f"| {getattr(p, 'admission_reserve_blocks', 0):,} blocks"
-            f" ({getattr(p, 'admission_reserve_bytes', 0) / (1 << 30):.2f} GiB) |")
+            f"| {row['setting']} | {p.kv_cache_bytes / (1 << 30):.2f} GiB "
+            f"| {res.get('num_blocks') or 0:,} | {p.inputs.max_num_seqs} x {at:,} "
+            f"| {vllm_figure(row)} | {f'{at / fig:.3f}' if at and fig else '-'} "
+            f"| {', '.join(f'{f:,}' for f in failed) or '-'} "
+            f"| {'ok' if not wrong else 'WRONG'} |")
     return "\n".join(lines)
-
-
-def _n(v) -> str:
-    return "-" if v is None else f"{v:,}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,16 +197,18 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--only", action="append", choices=[n for n, _ in SETTINGS],
                     help="run only this setting (repeatable)")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="bisections of the 95%%-105%% bracket of the context (default 2)")
     ap.add_argument("--site", type=Path, help="an already patched vLLM tree to use")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="run vLLM with prefix caching off (about 3x faster; the prompts share "
+                         "no prefix, so the blocks are the same)")
     args = ap.parse_args(argv)
-    rows = compare(args.only, max(0, args.rounds), args.site)
+    rows = compare(args.only, args.site, prefix_caching=not args.no_prefix_caching)
     print(table(rows))
     bad = [(r["setting"], w) for r in rows for w in verdict(r)]
     for name, w in bad:
         print(f"MISMATCH {name}: {w}")
-    print("all within 5%" if not bad else f"{len(bad)} mismatch(es)")
+    print(f"all {len(rows)} within 5% and never above vLLM" if not bad
+          else f"{len(bad)} mismatch(es) in {len(rows)} settings")
     return 1 if bad else 0
 
 

@@ -1,14 +1,14 @@
-"""`dspark plan`'s concurrency figures against vLLM 0.28.0's own scheduler.
+"""`dspark plan`'s context at max_num_seqs against vLLM 0.28.0's own scheduler.
 
-benchmarks/plan_vs_scheduler.py plans the published DeepSeek V4 Flash checkpoint at the
-serving defaults (read from dspark's config when the test runs) and at eight single
-changes, then drives vLLM's real Scheduler / KVCacheManager on CPU
+benchmarks/plan_vs_scheduler.py plans the published DeepSeek V4 Flash checkpoint on a grid of
+settings and drives vLLM's real Scheduler / KVCacheManager on CPU with each plan's pool
 (tests/overlay/scheduler_sim.py: overlay applied to a copy of the installed vLLM, SM12x
-simulated, fake model outputs, two batches in flight, no prefix hits) with each plan's pool.
-Each figure must hold within 5%: max_num_seqs requests of 95% of the planned context run
-at once without a preemption and of 105% do not; the planned number of full-max_model_len
-requests runs, one more does not. One simulation process runs every case (a few minutes on
-two cores).
+simulated, a real SpeculativeConfig for DSpark, prefix caching on, fake model outputs, two
+batches in flight). The plan's figure must be at most vLLM's (every length tried at or below
+it keeps all max_num_seqs requests resident) and within 5% of it. CI runs a few points of the
+grid, with fewer lengths tried below the plan than the benchmark: 0.78 x 12 (the figure that
+was 6x too low), 0.835 x 32 (too low) and the serving defaults (0.835 x 12, where the figure
+was above vLLM's non-monotone edge). The benchmark prints the whole grid.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ import plan_vs_scheduler as pvs  # noqa: E402
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm  # vLLM's own scheduler and KV-cache manager, on a copy of its tree
 
+CI_POINTS = ("0.78 x 12", "0.835 x 32", "0.835 x 12")
+CI_BELOW = (0.98, 0.95)
+
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
@@ -38,19 +41,25 @@ def rows(tmp_path_factory):
     copy_vllm_tree(installed_site_packages(), site)
     apply_series(site, pvs.OVERLAY_DIR)
     try:
-        return {r["setting"]: r for r in pvs.compare(rounds=0, site=site, timeout=1500)}
+        return {r["setting"]: r for r in pvs.compare(list(CI_POINTS), site=site, timeout=900,
+                                                      below=CI_BELOW)}
     finally:
         shutil.rmtree(site, ignore_errors=True)
 
 
-@pytest.mark.parametrize("setting", [name for name, _ in pvs.SETTINGS])
-def test_plan_matches_vllm_scheduler(rows, setting):
+@pytest.mark.parametrize("setting", CI_POINTS)
+def test_plan_is_at_most_vllm_and_within_5_percent(rows, setting):
     row = rows[setting]
     assert pvs.verdict(row) == [], pvs.table([row])
 
 
-def test_the_comparison_covers_the_settings_the_plan_must_hold_at():
-    names = {n for n, _ in pvs.SETTINGS}
-    assert {"defaults", "max_num_seqs 4", "max_num_seqs 16", "max_model_len 131,072",
-            "max_model_len 1,048,576", "max_num_batched_tokens 2,048", "async scheduling off",
-            "TP=4"} <= names
+def test_the_default_is_one_of_the_points_and_the_grid_is_the_issues():
+    from dspark.plan.published import plan_published
+
+    names = dict(pvs.SETTINGS)
+    base = plan_published().inputs
+    assert (base.gpu_memory_utilization, base.max_num_seqs) == (0.835, 12)
+    assert len(pvs.SETTINGS) >= 20 and set(CI_POINTS) <= set(names)
+    assert {f"{u} x {n}" for u in (0.70, 0.78, 0.835, 0.90) for n in (4, 12, 16, 32)} <= set(names)
+    assert {"max_model_len 131,072", "max_model_len 1,048,576",
+            "max_num_batched_tokens 2,048"} <= set(names)

@@ -46,7 +46,6 @@ import sys
 import traceback
 from collections import deque
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -58,15 +57,16 @@ SETTLE = 4  # tokens every request decodes while all n are running
 
 
 def _config(case: dict, model_dir: Path):
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 
     mml = int(case["max_model_len"])
     model = _MODELS.get(mml)
     if model is None:  # building one takes a minute on a small box: one per length
         model = _MODELS[mml] = ModelConfig(model=str(model_dir), max_model_len=mml,
                                            skip_tokenizer_init=True, dtype="bfloat16")
+    caching = bool(case.get("enable_prefix_caching", True))
     cache = CacheConfig(cache_dtype=case.get("kv_cache_dtype", "nvfp4_ds_mla"),
-                        block_size=BLOCK_SIZE, enable_prefix_caching=False)
+                        block_size=BLOCK_SIZE, enable_prefix_caching=caching)
     sched = SchedulerConfig(max_num_batched_tokens=int(case["max_num_batched_tokens"]),
                             max_num_seqs=int(case["max_num_seqs"]), max_model_len=mml,
                             is_encoder_decoder=False)
@@ -74,23 +74,19 @@ def _config(case: dict, model_dir: Path):
     # The CPU platform rewrites these for its own kernels; on the GB10 nodes the
     # served settings stand.
     vc.cache_config.block_size = BLOCK_SIZE
-    vc.cache_config.enable_prefix_caching = False
+    vc.cache_config.enable_prefix_caching = caching
     vc.scheduler_config.max_num_batched_tokens = int(case["max_num_batched_tokens"])
     vc.scheduler_config.max_num_seqs = int(case["max_num_seqs"])
     vc.scheduler_config.async_scheduling = bool(case["async_scheduling"])
     vc.scheduler_config.enable_chunked_prefill = True
     vc.scheduler_config.long_prefill_token_threshold = int(case.get("long_prefill_token_threshold") or 0)
     k = int(case.get("num_speculative_tokens", 0))
-    # DSpark as the template runs it; vLLM's SpeculativeConfig.use_eagle() is True
-    # for DSpark, so the scheduler allocates k lookahead slots per request.
-    vc.speculative_config = SimpleNamespace(
-        num_speculative_tokens=k, parallel_drafting=False,
-        num_speculative_tokens_per_batch_size=None,
-        use_dspark=lambda: True, use_multi_module_mtp=lambda: False,
-        use_eagle=lambda: True, uses_draft_model=lambda: False, use_dflash=lambda: False,
-        draft_model_config=model, method="dspark",
-        # SpeculativeConfig.max_num_new_slots_for_drafting's table: DSpark, K - 1.
-        max_num_new_slots_for_drafting=k - 1,
+    # DSpark as the template runs it: the SpeculativeConfig vLLM builds for
+    # --speculative-config (the draft ships inside the target checkpoint), so the
+    # scheduler's lookahead slots and draft padding are vLLM's own.
+    vc.speculative_config = SpeculativeConfig(
+        method="dspark", num_speculative_tokens=k, target_model_config=model,
+        target_parallel_config=vc.parallel_config, draft_sample_method="probabilistic",
     ) if k else None
     return vc
 
@@ -123,6 +119,10 @@ def run_case(case: dict, model_dir: Path) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes,
+    )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
@@ -132,24 +132,33 @@ def run_case(case: dict, model_dir: Path) -> dict:
     with set_current_vllm_config(vc):
         kv_config = _kv_cache_config(vc, case["kv_bytes"])
         vc.cache_config.num_gpu_blocks = kv_config.num_blocks
+        # What EngineCore.__init__ gives the scheduler and each request.
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, vc)
+        hasher = None
+        if vc.cache_config.enable_prefix_caching:
+            init_none_hash(get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo))
+            hasher = get_request_block_hasher(
+                hash_block_size, get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo))
         cls = AsyncScheduler if case["async_scheduling"] else Scheduler
-        sched = cls(vc, kv_config, StructuredOutputManager(vc), block_size=BLOCK_SIZE,
-                    log_stats=False)
+        sched = cls(vc, kv_config, StructuredOutputManager(vc), block_size=block_size,
+                    hash_block_size=hash_block_size, log_stats=False)
     n, length = int(case["n"]), int(case["length"])
-    # Each request's prompt leaves ``decode`` tokens of room to max_model_len's bound; it
-    # may generate all of them, but the run stops once every request has prefilled its
-    # whole prompt and decoded ``SETTLE`` tokens at the same time (all n hold their KV at
+    # Each request's prompt is ``length - SETTLE`` tokens and it may generate ``decode``
+    # more (within max_model_len), so the first admitted keep decoding while the last
+    # prefill; the run stops once every request has prefilled its whole prompt and decoded
+    # ``SETTLE`` tokens at the same time (all n hold at least ``length`` tokens of KV at
     # once), or at the first preemption.
-    decode = min(int(case.get("decode", 1024)), length - 1)
-    prompt = length - decode
+    prompt = max(1, length - SETTLE)
+    decode = max(SETTLE, min(int(case.get("decode", 1024)), int(case["max_model_len"]) - prompt))
     for i in range(n):
         # (i * 7919 + j) % 120000 + 1 for j in range(prompt), built from one rotated cycle
-        # (a list per token took about 7% of the simulation's time).
+        # (a list per token took about 7% of the simulation's time): no two requests
+        # share a first block, so prefix caching finds no hits.
         start = (i * 7919) % 120000
         cycle = list(range(start + 1, 120001)) + list(range(1, start + 1))
         tokens = (cycle * (prompt // 120000 + 1))[:prompt]
         sp = SamplingParams(max_tokens=decode, ignore_eos=True, min_tokens=decode)
-        sched.add_request(Request(f"r{i}", tokens, sp, None))
+        sched.add_request(Request(f"r{i}", tokens, sp, None, block_hasher=hasher))
     reqs = dict(sched.requests)
     batch_queue: deque = deque()
     depth = vc.max_concurrent_batches
@@ -158,11 +167,22 @@ def run_case(case: dict, model_dir: Path) -> dict:
     max_steps = int(case.get("max_steps") or
                     4 * (n * length // int(case["max_num_batched_tokens"]) + n * 16) + 200)
     max_running = 0
-    all_at_once = False
+    all_at_once = stuck = False
+    idle = 0  # steps in a row with requests waiting, none prefilling and none admitted
     while (sched.has_requests() or batch_queue) and steps < max_steps:
         steps += 1
         if sched.has_requests():
+            waiting = len(sched.waiting)
             out = sched.schedule()
+            # Once every running request decodes, the free blocks only shrink (each decode
+            # grows) until one finishes: a request still refused once the last prefill's
+            # in-flight blocks have settled (depth + 2 steps) is never admitted while all
+            # the others run, and the case has failed.
+            settled = all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+            idle = idle + 1 if waiting and len(sched.waiting) == waiting and settled else 0
+            if idle > vc.max_concurrent_batches + 2:
+                stuck = True
+                break
             done = {rid: not sched.requests[rid].is_prefill_chunk
                     for rid in out.num_scheduled_tokens}
             batch_queue.appendleft((out, done))
@@ -197,38 +217,50 @@ def run_case(case: dict, model_dir: Path) -> dict:
     pool = sched.kv_cache_manager.block_pool.num_gpu_blocks
     return {"num_blocks": kv_config.num_blocks, "pool_blocks": pool,
             "preemptions": len(preempted), "max_running": max_running, "steps": steps,
-            "all_at_once": all_at_once, **({"held": held} if held else {}),
+            "all_at_once": all_at_once, "stuck": stuck, **({"held": held} if held else {}),
             "ok": all_at_once and not preempted}
 
 
-def bisect_case(case: dict, model_dir: Path) -> dict:
-    """``bisect``: {"key": "length" or "n", "lo": a, "hi": b, "rounds": r}. Runs the workload
-    at lo and at hi, then bisects between the last value that ran and the first that did
-    not for at most r rounds. Reports both ends and every run."""
-    spec = case["bisect"]
-    key, lo, hi = spec["key"], int(spec["lo"]), int(spec["hi"])
-    runs = {}
+def edge_case(case: dict, model_dir: Path) -> dict:
+    """``edge``: vLLM's longest context for ``n`` requests around a planned figure P, on a
+    grid bounded in runs. {"plan": P, "below": [fractions < 1], "step": s, "up": u}: runs P
+    and P x each fraction in ``below`` (every shorter length must run too: admission is not
+    monotone in length), then P x (1 + s), P x (1 + 2s), ... up to u steps (and at most
+    max_model_len) until one fails. ``figure`` is the largest length tried that ran with
+    every shorter length tried also running; ``above`` is True when even P x (1 + u s)
+    ran (vLLM's figure is at least that)."""
+    spec = case["edge"]
+    plan, mml = int(spec["plan"]), int(case["max_model_len"])
+    runs: dict[int, dict] = {}
 
-    def ok(value: int) -> bool:
-        if value not in runs:
-            runs[value] = run_case({**case, key: value}, model_dir)
-        return runs[value]["ok"]
+    def ok(length: int) -> bool:
+        if length not in runs:
+            runs[length] = run_case({**case, "length": length}, model_dir)
+        return runs[length]["ok"]
 
-    lo_ok, hi_ok = ok(lo), ok(hi)
-    good, bad = (lo if lo_ok else None), (None if hi_ok else hi)
-    if lo_ok and not hi_ok:
-        for _ in range(int(spec.get("rounds", 0))):  # bounded by rounds
-            if bad - good <= 1:
-                break
-            mid = (good + bad) // 2
-            if ok(mid):
-                good = mid
-            else:
-                bad = mid
+    for length in sorted({plan, *(max(SETTLE + 1, int(plan * f)) for f in spec["below"])},
+                         reverse=True):
+        ok(length)
+    above = True
+    for i in range(1, int(spec["up"]) + 1):  # bounded by up
+        length = min(mml, int(plan * (1 + i * float(spec["step"]))))
+        if length <= plan:
+            above = False
+            break
+        if not ok(length):
+            above = False
+            break
+    figure = 0
+    for length in sorted(runs):
+        if not runs[length]["ok"]:
+            break
+        figure = length
     first = next(iter(runs.values()))
-    return {"lo_ok": lo_ok, "hi_ok": hi_ok, "ran": good, "failed": bad,
-            "num_blocks": first.get("num_blocks"), "error": first.get("error"),
-            "runs": {str(k): {f: v.get(f) for f in ("ok", "preemptions", "max_running", "steps")}
+    return {"figure": figure, "above": above, "plan": plan,
+            "num_blocks": first.get("num_blocks"),
+            "error": next((v["error"] for v in runs.values() if v.get("error")), None),
+            "runs": {str(k): {f: v.get(f) for f in ("ok", "preemptions", "max_running", "steps",
+                                                       "stuck")}
                      for k, v in sorted(runs.items())}}
 
 
@@ -244,7 +276,7 @@ def main() -> None:
         model_dir = _model_dir(Path(tmp))
         for case in cases:
             try:
-                results.append(bisect_case(case, model_dir) if "bisect" in case
+                results.append(edge_case(case, model_dir) if "edge" in case
                                else run_case(case, model_dir))
             except Exception:  # noqa: BLE001 - reported to the caller
                 results.append({"ok": False, "error": traceback.format_exc()[-3000:]})

@@ -133,7 +133,8 @@ class Scheduling:
       (``full_sequence_must_fit``: the prompt's blocks, each sliding-window group capped at
       ``SlidingWindowSpec.max_admission_blocks_per_request``, window - 1 +
       ``max_in_flight_tokens``) is no more than the blocks free now; then only its first
-      chunk's blocks are allocated;
+      chunk's blocks (and the k lookahead slots) are allocated. A refused request waits at
+      the head of the queue and is tried again every step;
     - every step ``remove_skipped_blocks`` frees the sliding-window blocks behind the window
       (on processed tokens, those still in flight kept), so a decoding request holds its
       full-attention blocks and a few window blocks per group;
@@ -143,10 +144,22 @@ class Scheduling:
       request being admitted, not by every request;
     - a step's ``max_num_batched_tokens`` go to the running requests first, each prefill
       chunk at most ``long_prefill_token_threshold`` (0: the whole budget); waiting requests
-      are admitted with what is left, so requests are admitted in waves of
-      budget / chunk (1 without a threshold) while the earlier waves decode.
-    A workload of n requests of L tokens runs without preemption when every admission gate
-    passes and the pool holds all n once the last wave has prefilled.
+      are admitted with what is left.
+
+    When a request is admitted depends on where the prompts' last chunks end (their length
+    mod the chunk): in the step where the first requests' last chunks are still in flight,
+    the budget they leave admits the next ones only if the gate passes with those chunks'
+    window blocks held; then the early ones' own first chunks hold window blocks while the
+    later ones are gated. So vLLM's own limit is not monotone in length near the edge
+    (at the serving defaults, 12 x 262,460 does not all run while 12 x 264,308 does). The plan
+    assumes no order: a refused request waits at the head of the queue, and once every other
+    request has prefilled and settled to decoding, the free blocks only shrink, so all n run
+    whatever the order when the pool holds n - 1 requests decoding plus one admission cap,
+    and n - m decoding plus the m that prefill at once (budget / chunk, each with its
+    in-flight chunks' window blocks). Requests that all fit the first step's budget are
+    admitted in that step in order, each gated with the earlier ones holding their first
+    chunk. Every term grows with the length (window groups taken
+    at their most), so ``longest`` is the largest length below which every length runs.
     """
 
     layout: KVLayout
@@ -157,13 +170,13 @@ class Scheduling:
     spec: int            # speculative tokens (lookahead slots)
 
     def held(self, tokens: int, in_flight: int) -> int:
-        """Blocks a request of ``tokens`` holds with ``in_flight`` of them not yet settled."""
+        """Blocks a request of ``tokens`` holds with ``in_flight`` of them not yet settled, each
+        window group at its most for any length up to ``tokens`` (so it grows with it)."""
         total = 0
         for g in self.layout.groups:
             blocks = _cdiv(tokens + self.spec, g.block_size)
             if g.window:
-                skipped = max(0, tokens - in_flight - (g.window - 1))
-                blocks -= skipped // g.block_size
+                blocks = min(blocks, _cdiv(g.window - 1 + in_flight + self.spec, g.block_size) + 1)
             total += blocks
         return total
 
@@ -178,35 +191,22 @@ class Scheduling:
         return self.held(tokens, self.batches * (1 + self.spec))
 
     def runs(self, n: int, tokens: int) -> bool:
-        """n requests of ``tokens`` admitted together run at once without preemption."""
+        """n requests of ``tokens`` sent together all run at once, in any admission order."""
         if n < 1:
             return True
-        cap = self.admission_cap(tokens)
-        decoding = self.decoding(tokens)
-        # When a wave's last member is gated, its earlier members hold their first chunk
-        # (admitted in the same step) or two chunks (a step later), and the previous wave
-        # may still hold its last chunks in flight: where the previous wave's last chunks
-        # end (tokens mod chunk) decides which, so vLLM's own limit moves by a few percent
-        # with the length. The plan takes 1.75 chunks, between the two: against
-        # benchmarks/plan_vs_scheduler.py the simulation ran 12 x 279,211 and failed
-        # 12 x 287,000 and 12 x 269,521 at the defaults.
-        started = min(self.chunk + 3 * self.chunk // 4, tokens)
-        first_chunk = self.held(started, started)
-        done, left, last = 0, n, 1
-        for _ in range(n):  # one wave at least per iteration: bounded by n
-            if not left:
-                break
-            room = max(1, self.budget - done * (1 + self.spec))
-            wave = min(left, _cdiv(room, self.chunk))
-            for j in range(wave):
-                if done * decoding + j * first_chunk + cap > self.num_blocks:
-                    return False
-            done, left, last = done + wave, left - wave, wave
-        prefilling = self.held(tokens, self.batches * min(self.chunk, tokens))
-        return (n - last) * decoding + last * prefilling <= self.num_blocks
+        cap, decoding = self.admission_cap(tokens), self.decoding(tokens)
+        prefill_at_once = min(n, _cdiv(self.budget, self.chunk))
+        first = min(self.chunk, tokens)
+        prefilling = self.held(tokens, self.batches * first)
+        if (n - prefill_at_once) * decoding + prefill_at_once * prefilling > self.num_blocks:
+            return False
+        if n == prefill_at_once and (n - 1) * self.held(first, first) + cap <= self.num_blocks:
+            return True  # all admitted in the first step, each holding its first chunk
+        return (n - 1) * decoding + cap <= self.num_blocks
 
     def longest(self, n: int, limit: int) -> int:
-        """Largest L <= limit at which n requests of L tokens run at once (0 if none)."""
+        """Largest L <= limit such that n requests of every length up to L run at once
+        (``runs`` grows monotone in the length, so a bisection finds it)."""
         lo, hi = 0, limit
         while lo < hi:  # binary search: log2(limit) rounds
             mid = (lo + hi + 1) // 2
