@@ -10,8 +10,6 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-
 from .conftest import OVERLAY_DIR, run_checks
 
 CHECKS = Path(__file__).with_name("workspace_checks.py")
