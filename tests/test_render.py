@@ -51,8 +51,8 @@ def test_golden(node):
 def test_head_reproduces_the_seed_command_line(cluster):
     """The seed's line, but for the defaults that depart from it, each with its source in
     config.ServingConfig: MiaAI-Lab's utilization and long-prefill threshold, and
-    capture sizes in multiples of the 6 verify rows of a request (vLLM takes the largest, 72,
-    as the maximum)."""
+    capture sizes in multiples of the 6 verify rows of a request, with the draft's sizes that
+    none of them covers (vLLM takes the largest, 72, as the maximum)."""
     launch = render(cluster, cluster.head)
     got = flags(launch.argv)
     want = flags(SEED_HEAD.split())
@@ -60,11 +60,14 @@ def test_head_reproduces_the_seed_command_line(cluster):
     want["--host"] = "192.168.100.10"  # the API binds the fabric address unless told otherwise
     del want["--max-cudagraph-capture-size"]
     want.update({"--gpu-memory-utilization": "0.835", "--long-prefill-token-threshold": "1024",
-                 "--cudagraph-capture-sizes": "6"})
+                 "--cudagraph-capture-sizes": "5"})
     want["--shutdown-timeout"] = "60"  # a planned stop drains (supervisor.drain_s)
     assert got == want
+    # Every multiple of the 6 verify rows up to 12 requests, and the DSpark draft's 5 and 35
+    # tokens (1 and 7 requests of 5), which no multiple of 6 rounds to in its graph manager.
     sizes = launch.argv.index("--cudagraph-capture-sizes")
-    assert launch.argv[sizes + 1:sizes + 13] == [str(6 * n) for n in range(1, 13)]
+    got_sizes = [int(a) for a in launch.argv[sizes + 1:sizes + 15]]
+    assert got_sizes == sorted([6 * n for n in range(1, 13)] + [5, 35])
     assert launch.env["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "0"
 
 
