@@ -67,7 +67,7 @@ def test_every_serving_default_in_the_template_names_its_source():
 def test_template_says_what_it_leaves_unset_and_why():
     text = C.template()
     head = text.split("[model]", 1)[0]
-    assert "shm_broadcast" in head and "MiaAI-Lab PR #71" in head and "no setting" in head
+    assert "VLLM_SHM_BROADCAST_BUSY_LOOP_S" in head and "MiaAI-Lab PR #71" in head and "0.002 s applies" in head
     # The capture sizes follow max_num_seqs and the speculative tokens: shown, not written.
     shown = "# cudagraph_capture_sizes = [5, 6, 12, 18, 24, 30, 35, 36, 42, 48, 54, 60, 66, 72]  (unset: "
     assert shown in text.split("[serving]", 1)[1].split("[supervisor]", 1)[0]
