@@ -151,7 +151,8 @@ class Scheduling:
     the budget they leave admits the next ones only if the gate passes with those chunks'
     window blocks held; then the early ones' own first chunks hold window blocks while the
     later ones are gated. So vLLM's own limit is not monotone in length near the edge
-    (at the serving defaults, 12 x 262,460 does not all run while 12 x 264,308 does). The plan
+    (at the serving defaults, prefix caching off, 12 x 262,460 does not all run while 12 x
+    264,308 does). The plan
     assumes no order: a refused request waits at the head of the queue, and once every other
     request has prefilled and settled to decoding, the free blocks only shrink, so all n run
     whatever the order when the pool holds n - 1 requests decoding plus one admission cap,
@@ -358,6 +359,7 @@ def _concurrency_note(facts: ModelFacts, inputs: PlanInputs, num_blocks: int, sc
     n, mml, budget = inputs.max_num_seqs, inputs.max_model_len, inputs.max_num_batched_tokens
     text = (f"{n} concurrent requests run with up to {at_seqs:,} tokens each and "
             f"{full_len} request(s) of the full {mml:,} tokens run at once "
+            f"in whatever order vLLM admits them, and so does every shorter length "
             f"(vLLM admits a request when its capped need fits the free blocks and "
             f"reserves nothing; the admission reserve of {reserve:,} blocks is paid "
             f"once, by the request being admitted)")
