@@ -9,34 +9,36 @@ CASES_JSON is a list of cases; each names a pool size in bytes (the planner's
 "KV cache per rank", whose block count vLLM's own get_kv_cache_config_from_groups
 computes here), the serving settings (max_model_len, max_num_seqs,
 max_num_batched_tokens, async_scheduling, num_speculative_tokens,
-long_prefill_token_threshold) and a workload: ``n`` requests of ``length`` tokens, sent
-together (each a prompt of ``length - decode`` distinct tokens that may generate
-``decode`` more). A case is ``ok`` when all n requests have prefilled their whole prompt
-and decoded SETTLE tokens at the same time (all n hold their KV at once) with no
-preemption; it fails at the first preemption, or when a request finishes before that. A
-case with ``bisect`` searches ``n`` or ``length`` (bisect_case); ``debug`` adds the blocks
-each request holds per KV-cache group at the end. It prints ``@@RESULTS@@`` and one JSON
-list.
+long_prefill_token_threshold, enable_prefix_caching, on unless said) and a workload: ``n``
+requests of ``length`` tokens, sent together (each a prompt of ``length - SETTLE`` distinct
+tokens that may generate ``decode`` more). A case is ``ok`` when all n requests have
+prefilled their whole prompt and decoded SETTLE tokens at the same time (all n hold at
+least ``length`` tokens of KV at once) with no preemption; it fails at the first
+preemption, when a request finishes before that, or (``stuck``) when a request is still
+refused once every running request decodes and their in-flight blocks have settled (from
+then on the free blocks only shrink). A case with ``edge`` searches vLLM's longest length
+around a planned figure (edge_case); ``debug`` adds the blocks each request holds per
+KV-cache group at the end. It prints ``@@RESULTS@@`` and one JSON list.
 
 What runs is vLLM's own code: a real VllmConfig from
 tests/fixtures/deepseek-v4-flash-config.json with the SM12x capability family
-simulated; the DeepSeek V4 cache layers of every layer
-(kv_layout_checks.Layers, the overlay's SM120 attention class) give their KV-cache
+simulated and a real SpeculativeConfig for DSpark (its lookahead slots and the
+scheduler's draft placeholders are vLLM's own); the DeepSeek V4 cache layers of every
+layer (kv_layout_checks.Layers, the overlay's SM120 attention class) give their KV-cache
 specs; vLLM groups and packs them (get_kv_cache_groups,
 get_kv_cache_config_from_groups) for the pool; its Scheduler (AsyncScheduler
-with async scheduling) and KVCacheManager admit, chunk, allocate, free
-sliding-window blocks and preempt. Only the model is fake: every batch "samples"
-one token per request whose prefill is done (all draft tokens rejected), and
-two batches are in flight the way EngineCore.step_with_batch_queue keeps them
-(a batch's output reaches the scheduler after the next batch is scheduled).
-Prompts are distinct, so there are no prefix hits (prefix caching is off).
+with async scheduling), built with the block sizes EngineCore gives it, and KVCacheManager
+admit, chunk, allocate, free sliding-window blocks, cache full blocks and preempt. Only the
+model is fake: every batch "samples" one token per request whose prefill is done (all draft
+tokens rejected), and two batches are in flight the way EngineCore.step_with_batch_queue
+keeps them (a batch's output reaches the scheduler after the next batch is scheduled).
+Prompts are distinct (each request hashed by vLLM's own block hasher), so there are no
+prefix hits.
 
 Bounded in time: the pool has its real block count and the prompts their real lengths,
-but a run stops once every request has decoded SETTLE tokens while all n run, so a case
-takes about n * length / max_num_batched_tokens scheduler steps (each bounded by
-max_steps). The caller checks the planner's figures by bracketing (the workload runs at
-95% of the planner's figure and does not at 105%; the planned count of full-length
-requests runs and one more does not) instead of searching for the exact limit.
+but a run stops once every request has decoded SETTLE tokens while all n run (or is
+stuck), so a case takes about n * length / max_num_batched_tokens scheduler steps (each
+bounded by max_steps), and an ``edge`` search a fixed number of cases at most.
 """
 
 from __future__ import annotations
