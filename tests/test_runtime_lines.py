@@ -272,6 +272,13 @@ def test_the_seed_lines_recorded_names_are_the_installed_vllms():
     assert "flashinfer_b12x" not in mxfp4_mapping_keys(site)
 
 
+def _stock_tree():
+    spec = importlib.util.spec_from_file_location("dspark_stock_tree", HERE / "overlay" / "stock_tree.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_v029_lines_recorded_facts_against_its_tree():
     site = site_of("0.29.0")
     if site is None:
@@ -308,6 +315,12 @@ def test_the_v029_lines_recorded_facts_against_its_tree():
                 if (site / rel).is_file() and not (staged / rel).exists():
                     (staged / rel).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(site / rel, staged / rel)
+        # The installed tree carries the line's local series (.ci/setup, for the local pair):
+        # the staged files are made stock again first, checked against the wheel's RECORD.
+        shutil.copy2(site / "vllm/_version.py", staged / "vllm/_version.py")
+        for dist in site.glob("vllm*.dist-info"):
+            shutil.copytree(dist, staged / dist.name)
+        _stock_tree().make_stock(staged)
         for path in series:
             if path.name in line.ported:
                 r = run(seed[path.name], "--dry-run")
