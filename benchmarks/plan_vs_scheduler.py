@@ -40,7 +40,7 @@ OVERLAY_DIR = REPO / "overlay"
 TOLERANCE = 0.05
 BELOW = (0.99, 0.98, 0.97, 0.96, 0.95, 0.90, 0.75, 0.50)
 STEP, UP = 0.01, 5      # P x 1.01 ... 1.05, stopping at the first failure
-DECODE = 1024           # tokens each simulated request may decode (it stops once all run)
+DECODE = 1024           # tokens each simulated request may decode at least (it stops once all run)
 SMALLEST = 2048         # tried when the plan says no length runs
 
 UTILIZATIONS = (0.70, 0.78, 0.835, 0.90)
@@ -78,6 +78,12 @@ def plans(only: list[str] | None = None):
     return out
 
 
+def chunk(i) -> int:
+    """The longest prefill chunk of one request per step."""
+    t = i.long_prefill_token_threshold
+    return t if 0 < t < i.max_num_batched_tokens else i.max_num_batched_tokens
+
+
 def case(plan, below=BELOW, up: int = UP, prefix_caching: bool = True) -> dict:
     """The sim's search for vLLM's figure around the plan's context at max_num_seqs."""
     i = plan.inputs
@@ -88,7 +94,10 @@ def case(plan, below=BELOW, up: int = UP, prefix_caching: bool = True) -> dict:
         "async_scheduling": i.async_scheduling, "num_speculative_tokens": i.num_speculative_tokens,
         "long_prefill_token_threshold": i.long_prefill_token_threshold,
         "kv_cache_dtype": i.kv_cache_dtype, "enable_prefix_caching": prefix_caching,
-        "n": i.max_num_seqs, "decode": DECODE,
+        # Room to decode: the first requests decode while the later ones prefill, at worst
+        # one after another (a chunk a step each), so they must not finish first.
+        "n": i.max_num_seqs,
+        "decode": max(DECODE, i.max_num_seqs * -(-max(at, SMALLEST) * 21 // 20 // chunk(i)) + 64),
         # A plan of 0 (no length runs): vLLM must not run SMALLEST either.
         "edge": ({"plan": at, "below": list(below), "step": STEP, "up": up} if at
                  else {"plan": SMALLEST, "below": [], "step": STEP, "up": 0}),

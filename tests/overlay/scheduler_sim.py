@@ -141,17 +141,26 @@ def run_case(case: dict, model_dir: Path) -> dict:
             init_none_hash(get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo))
             hasher = get_request_block_hasher(
                 hash_block_size, get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo))
-        cls = AsyncScheduler if case["async_scheduling"] else Scheduler
-        sched = cls(vc, kv_config, StructuredOutputManager(vc), block_size=block_size,
-                    hash_block_size=hash_block_size, log_stats=False)
-    n, length = int(case["n"]), int(case["length"])
+        n, length = int(case["n"]), int(case["length"])
+        prompt = max(1, length - SETTLE)
+        decode = max(SETTLE, int(case.get("decode", 1024)))
+        # The first requests decode while the last ones prefill, so they may pass
+        # max_model_len by up to ``decode`` tokens: the scheduler's length bound is raised by
+        # that much (the admission caps, min(window + in-flight tokens, max_model_len), are
+        # the same for any max_model_len above 131,072), or a request of max_model_len
+        # would stop before the last one is admitted.
+        mml = vc.model_config.max_model_len
+        vc.model_config.max_model_len = max(mml, prompt + decode)
+        try:
+            cls = AsyncScheduler if case["async_scheduling"] else Scheduler
+            sched = cls(vc, kv_config, StructuredOutputManager(vc), block_size=block_size,
+                        hash_block_size=hash_block_size, log_stats=False)
+        finally:
+            vc.model_config.max_model_len = mml
     # Each request's prompt is ``length - SETTLE`` tokens and it may generate ``decode``
-    # more (within max_model_len), so the first admitted keep decoding while the last
-    # prefill; the run stops once every request has prefilled its whole prompt and decoded
-    # ``SETTLE`` tokens at the same time (all n hold at least ``length`` tokens of KV at
-    # once), or at the first preemption.
-    prompt = max(1, length - SETTLE)
-    decode = max(SETTLE, min(int(case.get("decode", 1024)), int(case["max_model_len"]) - prompt))
+    # more, so the first admitted keep decoding while the last prefill; the run stops once
+    # every request has prefilled its whole prompt and decoded ``SETTLE`` tokens at the same
+    # time (all n hold at least ``length`` tokens of KV at once), or at the first preemption.
     for i in range(n):
         # (i * 7919 + j) % 120000 + 1 for j in range(prompt), built from one rotated cycle
         # (a list per token took about 7% of the simulation's time): no two requests

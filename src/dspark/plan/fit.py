@@ -189,15 +189,17 @@ class Scheduling:
         return max(0, self.admission_cap(tokens) - self.decoding(tokens))
 
     def decoding(self, tokens: int) -> int:
-        return self.held(tokens, self.batches * (1 + self.spec))
+        # Scheduled ahead of what is settled: 1 + k tokens a step for each batch in flight.
+        ahead = self.batches * (1 + self.spec)
+        return self.held(tokens + ahead, ahead)
 
     def runs(self, n: int, tokens: int) -> bool:
         """n requests of ``tokens`` sent together all run at once, in any admission order."""
         if n < 1:
             return True
         cap, decoding = self.admission_cap(tokens), self.decoding(tokens)
-        prefill_at_once = min(n, _cdiv(self.budget, self.chunk))
         first = min(self.chunk, tokens)
+        prefill_at_once = min(n, _cdiv(self.budget, first))  # short prompts: many a step
         prefilling = self.held(tokens, self.batches * first)
         if (n - prefill_at_once) * decoding + prefill_at_once * prefilling > self.num_blocks:
             return False
@@ -206,8 +208,10 @@ class Scheduling:
         return (n - 1) * decoding + cap <= self.num_blocks
 
     def longest(self, n: int, limit: int) -> int:
-        """Largest L <= limit such that n requests of every length up to L run at once
-        (``runs`` grows monotone in the length, so a bisection finds it)."""
+        """Largest L <= limit such that n requests of every length up to L run at once.
+        From one chunk up every term of ``runs`` grows with the length, so a bisection finds
+        the edge; below a chunk more prompts fit a step's budget as they get shorter, so
+        those lengths are each tried."""
         lo, hi = 0, limit
         while lo < hi:  # binary search: log2(limit) rounds
             mid = (lo + hi + 1) // 2
@@ -215,6 +219,9 @@ class Scheduling:
                 lo = mid
             else:
                 hi = mid - 1
+        for tokens in range(1, min(lo, self.chunk) + 1):  # at most one chunk of lengths
+            if not self.runs(n, tokens):
+                return tokens - 1
         return lo
 
     def most(self, tokens: int, limit: int) -> int:
