@@ -197,10 +197,18 @@ class Scheduling:
         """n requests of ``tokens`` sent together all run at once, in any admission order."""
         if n < 1:
             return True
-        cap, decoding = self.admission_cap(tokens), self.decoding(tokens)
+        cap = self.admission_cap(tokens)
         first = min(self.chunk, tokens)
         prefill_at_once = min(n, _cdiv(self.budget, first))  # short prompts: many a step
-        prefilling = self.held(tokens, self.batches * first)
+        # The first requests keep decoding, a token a step at least, while the later ones
+        # prefill one group after another.
+        later = (_cdiv(n, prefill_at_once) - 1) * _cdiv(tokens, first)
+        decoding = self.decoding(tokens + later)
+        # A request just prefilled, its first decode steps scheduled and nothing settled.
+        ahead = self.batches * (1 + self.spec)
+        prefilling = self.held(tokens + ahead, self.batches * first + ahead)
+        if n * decoding > self.num_blocks:
+            return False
         if (n - prefill_at_once) * decoding + prefill_at_once * prefilling > self.num_blocks:
             return False
         if n == prefill_at_once and (n - 1) * self.held(first, first) + cap <= self.num_blocks:
