@@ -235,7 +235,9 @@ def test_ordinary_attention_kv_per_token_and_block_rounding(tmp_path):
     # A 1000-token request takes 63 blocks of 16 (1008 slots).
     assert plan.max_concurrency == blocks / 63
     assert plan.kv_tokens == int(blocks / 63 * 1000)
-    assert plan.max_context_at_max_num_seqs == blocks // inputs.max_num_seqs * 16
+    # Each of the 12 decoding requests has one token scheduled ahead per batch in flight (2 with
+    # async scheduling), slots allocated for it: 21 blocks each hold 336 slots, 334 tokens.
+    assert plan.max_context_at_max_num_seqs == blocks // inputs.max_num_seqs * 16 - 2
     # KV heads are replicated, not split below one head per rank.
     tp4 = make_plan(PlanInputs(model, 4, max_model_len=1000, block_size=16,
                                kv_cache_memory_bytes=1 << 20))
