@@ -7,8 +7,7 @@ simulated, a real SpeculativeConfig for DSpark, prefix caching on, fake model ou
 batches in flight). The plan's figure must be at most vLLM's (every length tried at or below
 it keeps all max_num_seqs requests resident) and within 5% of it. CI runs a few points of the
 grid, with fewer lengths tried below the plan than the benchmark: 0.78 x 12 (the figure that
-was 6x too low), 0.835 x 32 (too low) and the serving defaults (0.835 x 12, where the figure
-was above vLLM's non-monotone edge). The benchmark prints the whole grid.
+was 6x too low) and 0.835 x 32 (too low). The benchmark prints the whole grid.
 """
 
 from __future__ import annotations
@@ -27,7 +26,11 @@ import plan_vs_scheduler as pvs  # noqa: E402
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm  # vLLM's own scheduler and KV-cache manager, on a copy of its tree
 
-CI_POINTS = ("0.78 x 12", "0.835 x 32", "0.835 x 12")
+# The serving default (0.835 x 12) is not among them: vLLM's admission there is not monotone in
+# length (12 x 261,430 and 12 x 262,460 refused, lengths around them kept), and the search, which
+# steps by 1%, does not yet try the lengths that fail, so vLLM's figure is not established there
+# (benchmarks/plan_vs_scheduler.py prints that row; docs/plan.md says it is open).
+CI_POINTS = ("0.78 x 12", "0.835 x 32")
 CI_BELOW = (0.98, 0.95)
 
 
@@ -47,14 +50,7 @@ def rows(tmp_path_factory):
         shutil.rmtree(site, ignore_errors=True)
 
 
-@pytest.mark.parametrize("setting", [
-    "0.78 x 12", "0.835 x 32",
-    # Open: the plan (251,119) is below every failure seen (261,430, 262,460), but the search
-    # steps by 1% and so ran every length it tried up to P x 1.05: vLLM's figure is not
-    # established there until the search tries short last chunks too (benchmarks/README.md).
-    pytest.param("0.835 x 12", marks=pytest.mark.xfail(
-        reason="the 1% search misses the short-last-chunk lengths vLLM refuses", strict=False)),
-])
+@pytest.mark.parametrize("setting", CI_POINTS)
 def test_plan_is_at_most_vllm_and_within_5_percent(rows, setting):
     row = rows[setting]
     assert pvs.verdict(row) == [], pvs.table([row])
@@ -66,7 +62,7 @@ def test_the_default_is_one_of_the_points_and_the_grid_is_the_issues():
     names = dict(pvs.SETTINGS)
     base = plan_published().inputs
     assert (base.gpu_memory_utilization, base.max_num_seqs) == (0.835, 12)
-    assert len(pvs.SETTINGS) >= 20 and set(CI_POINTS) <= set(names)
+    assert len(pvs.SETTINGS) >= 20 and set(CI_POINTS) <= set(names) and "0.835 x 12" in names
     assert {f"{u} x {n}" for u in (0.70, 0.78, 0.835, 0.90) for n in (4, 12, 16, 32)} <= set(names)
     assert {"max_model_len 131,072", "max_model_len 1,048,576",
             "max_num_batched_tokens 2,048"} <= set(names)
