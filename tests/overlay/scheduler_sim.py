@@ -237,7 +237,8 @@ def edge_case(case: dict, model_dir: Path) -> dict:
     grid bounded in runs. {"plan": P, "below": [fractions < 1], "step": s, "up": u}: runs P
     and P x each fraction in ``below`` (every shorter length must run too: admission is not
     monotone in length), then P x (1 + s), P x (1 + 2s), ... up to u steps (and at most
-    max_model_len) until one fails. ``figure`` is the largest length tried that ran with
+    max_model_len) until one fails, each step also at the lengths ``offsets`` (tokens, optional)
+    beyond it. ``figure`` is the largest length tried that ran with
     every shorter length tried also running; ``above`` is True when even P x (1 + u s)
     ran (vLLM's figure is at least that)."""
     spec = case["edge"]
@@ -253,12 +254,15 @@ def edge_case(case: dict, model_dir: Path) -> dict:
                          reverse=True):
         ok(length)
     above = True
-    for i in range(1, int(spec["up"]) + 1):  # bounded by up
-        length = min(mml, int(plan * (1 + i * float(spec["step"]))))
-        if length <= plan:
+    offsets = [int(o) for o in spec.get("offsets", ())]
+    for i in range(1, int(spec["up"]) + 1):  # bounded by up (x the offsets)
+        base = min(mml, int(plan * (1 + i * float(spec["step"]))))
+        if base <= plan:
             above = False
             break
-        if not ok(length):
+        # Each step also tries lengths a fraction of a prefill chunk further (``offsets``, in
+        # tokens): which lengths vLLM refuses near its edge depends on where the last chunk ends.
+        if not all(ok(length) for length in sorted({base, *(min(mml, base + o) for o in offsets)})):
             above = False
             break
     figure = 0
