@@ -66,7 +66,7 @@ def _config():
     return vc
 
 
-def _draft_manager(vc):
+def _draft_manager(vc, k: int = NUM_SPEC):
     """The draft's manager as DSparkSpeculator.init_cudagraph_manager builds it."""
     import torch
     from vllm.config.compilation import CUDAGraphMode
@@ -76,11 +76,11 @@ def _draft_manager(vc):
     spec = object.__new__(DSparkSpeculator)
     spec.vllm_config = vc
     spec.device = torch.device("cpu")
-    spec.num_speculative_steps = NUM_SPEC
+    spec.num_speculative_steps = k
     # DSparkSpeculator.__init__'s rule: sample_from_anchor (the checkpoint's
     # default) drafts N query tokens per request, not 1 + N.
     spec.sample_from_anchor = True
-    spec.num_query_per_req = NUM_SPEC
+    spec.num_query_per_req = k
     spec.attn_cg_support = SimpleNamespace(
         min_cg_support=AttentionCGSupport.UNIFORM_BATCH, min_cg_attn_backend="FLASHINFER_MLA_SPARSE_DSV4")
     spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)

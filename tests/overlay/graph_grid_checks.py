@@ -79,22 +79,13 @@ def _sized(vc, case):
 def _managers(vc, k):
     import torch
     from vllm.config.compilation import CUDAGraphMode
-    from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
-    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    from graph_dispatch_checks import _draft_manager
 
     target = CudaGraphManager(vc, torch.device("cpu"), CUDAGraphMode.FULL_AND_PIECEWISE,
                               decode_query_len=k + 1)
-    spec = object.__new__(DSparkSpeculator)
-    spec.vllm_config, spec.device = vc, torch.device("cpu")
-    spec.num_speculative_steps = k
-    # DSparkSpeculator.__init__'s rule for the checkpoint's default sample_from_anchor=True.
-    spec.sample_from_anchor = True
-    spec.num_query_per_req = k
-    spec.attn_cg_support = SimpleNamespace(
-        min_cg_support=AttentionCGSupport.UNIFORM_BATCH, min_cg_attn_backend="FLASHINFER_MLA_SPARSE_DSV4")
-    spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
-    draft = spec.query_cudagraph_manager
+    spec, draft = _draft_manager(vc, k)
     for mgr in (target, draft):
         mgr._graphs_captured = True  # capture itself needs a GPU
     return target, draft, spec.num_query_per_req
