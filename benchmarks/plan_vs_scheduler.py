@@ -9,8 +9,14 @@ requests runs with. tests/overlay/scheduler_sim.py then drives vLLM's own Schedu
 KVCacheManager on CPU (the overlay applied to a copy of the installed vLLM, SM12x simulated,
 a real SpeculativeConfig for DSpark k=5, prefix caching on, fake model outputs, two batches
 in flight with async scheduling) with that pool: max_num_seqs requests, each a prompt of the
-length less 4 tokens, sent together, must all hold their KV at once (each decoded 4 tokens)
-with no preemption.
+length less 4 tokens, must all hold their KV at once (each decoded 4 tokens) with no
+preemption, in two workloads: all sent together, and the last sent once the others decode
+(a server's usual case; "late" in the table when only that one failed). The second is what
+makes vLLM's limit monotone in length: sent together, whether the last request is admitted
+with the others depends on where the prompts' last chunks end, so lengths above the safe one
+often run anyway (at the defaults 12 x 261,120 ... 262,080 ran but for 261,430, 261,632 and
+262,460), while a late request is refused at every length whose n - 1 decoding requests leave
+less than its admission cap free.
 
 vLLM's figure is searched on a grid bounded in runs (the sim's ``edge`` case): the plan's
 figure P, P x 0.99 ... 0.95 and P x 0.90, 0.75, 0.50 below it (admission is not monotone in
@@ -194,13 +200,14 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         p, res = row["plan"], row["vllm"]
         at, fig = p.max_context_at_max_num_seqs, res.get("figure") or 0
-        failed = [int(k) for k, v in res.get("runs", {}).items() if not v["ok"]]
+        failed = [f"{int(k):,}" + (" (late)" if v.get("together") else "")
+                  for k, v in res.get("runs", {}).items() if not v["ok"]]
         wrong = verdict(row)
         lines.append(
             f"| {row['setting']} | {p.kv_cache_bytes / (1 << 30):.2f} GiB "
             f"| {res.get('num_blocks') or 0:,} | {p.inputs.max_num_seqs} x {at:,} "
             f"| {vllm_figure(row)} | {f'{at / fig:.3f}' if at and fig else '-'} "
-            f"| {', '.join(f'{f:,}' for f in failed) or '-'} "
+            f"| {', '.join(failed) or '-'} "
             f"| {'ok' if not wrong else 'WRONG'} |")
     return "\n".join(lines)
 

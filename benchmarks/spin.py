@@ -10,8 +10,14 @@ patched default (the variable unset: 0.002 s), and prints for each:
   the client's inter-token gaps (between consecutive streamed tokens): median, p99, and how many
   exceed 0.5 s;
 - where each vLLM process waited for a CPU during the decode (run-queue wait from
-  /proc/PID/schedstat) and the CPUs it may run on (its affinity): the evidence for the cause of
-  the ~1 s gaps (overlay/README.md, "Known GB10 failures").
+  /proc/PID/schedstat) and the CPUs it may run on (its affinity); for each gap over 0.5 s, the
+  threads that ran or sat runnable in it (every thread sampled each 0.1 s) and, with
+  `--py-spy PATH`, the vLLM processes' Python stacks 0.3 s into it: the evidence for the cause
+  of the ~1 s gaps (overlay/README.md, "Known GB10 failures": the EngineCore's spinning reader
+  on the core that node 2's worker is bound to).
+
+`--busy N` runs N niced busy loops during the decode (a loaded host): the gaps need the
+EngineCore to land on the workers' core, which a busy second core brings about.
 
 The targets, with a verdict for each: idle CPU at most 0.06 cores, p99 at most 3 x the median,
 no gap over 0.5 s. Exit status: 0 when the patched run meets all three, 1 otherwise, 2 when
@@ -19,7 +25,8 @@ the installed vLLM lacks the local series (run .ci/setup). Runs alternate (stock
 stock, patched, ... with `--rounds`) so that load from anything else falls on both alike. Run it
 on an otherwise idle machine: every figure is the whole machine's CPU as the pair shares it.
 
-    .venv/bin/python benchmarks/spin.py [--rounds 1] [--idle-s 60] [--requests 3] [--tokens 150] [--json OUT]
+    .venv/bin/python benchmarks/spin.py [--rounds 1] [--idle-s 60] [--requests 3] [--tokens 150]
+        [--busy 0] [--py-spy PATH] [--only stock|patched] [--json OUT]
 """
 
 from __future__ import annotations
@@ -104,9 +111,119 @@ def idle_cores(root: int, seconds: float) -> float:
     return used / (time.monotonic() - t0)
 
 
+class ThreadSampler:
+    """Every `interval` s, each thread of the given processes: state, CPU time, the CPU it last
+    ran on (/proc/PID/task/TID/stat). What a gap's window shows: which threads ran (their CPU
+    time grew) and which sat runnable (state R without CPU time) while no token came."""
+
+    def __init__(self, pids: list[int], interval: float = 0.1):
+        import threading
+
+        self.pids, self.interval = pids, interval
+        self.samples: list[tuple[float, dict[tuple[int, int], tuple[str, float, int]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _snapshot(self) -> dict[tuple[int, int], tuple[str, float, int]]:
+        snap = {}
+        for pid in self.pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                        st = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                snap[(pid, int(tid))] = (st[0], (int(st[11]) + int(st[12])) / CLK_TCK, int(st[36]))
+        return snap
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):  # bounded by stop()
+            self.samples.append((time.monotonic(), self._snapshot()))
+
+    def __enter__(self) -> "ThreadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def window(self, t0: float, t1: float, top: int = 6) -> list[str]:
+        """The threads that used CPU or sat runnable between t0 and t1, most CPU first."""
+        inside = [(t, s) for t, s in self.samples if t0 <= t <= t1]
+        if len(inside) < 2:
+            return ["(fewer than two samples in the window)"]
+        first, last = inside[0][1], inside[-1][1]
+        rows = []
+        for key, (_, cpu1, where) in last.items():
+            if key not in first:
+                continue
+            runnable = sum(1 for _, s in inside if s.get(key, ("S",))[0] == "R")
+            used = cpu1 - first[key][1]
+            if used > 0 or runnable:
+                rows.append((used, runnable, key, where))
+        rows.sort(key=lambda r: (-r[0], -r[1]))
+        span = inside[-1][0] - inside[0][0]
+        return [f"{name(pid)}/{_thread_name(pid, tid)} ({pid}/{tid}): {used:.2f} s CPU of {span:.2f} s, "
+                f"runnable in {runnable}/{len(inside)} samples, last on CPU {where}"
+                for used, runnable, (pid, tid), where in rows[:top]]
+
+
+def _thread_name(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
 # ------------------------------------------------------------------ the c=1 decode
-def stream_arrivals(port: int, tokens: int, seed: int) -> list[float]:
-    """One streamed completion of exactly `tokens` tokens; the monotonic time each token arrived."""
+class GapDumper:
+    """While a stream runs: once no token has come for `after` s, the Python stacks of the vLLM
+    processes (py-spy dump, given its path), one dump per gap: where each thread is while the
+    next token is late."""
+
+    def __init__(self, py_spy: str, pids: list[int], after: float = 0.3):
+        import threading
+
+        self.py_spy, self.after = py_spy, after
+        self.pids = [p for p in pids if name(p).startswith(("VLLM::", "vllm"))]
+        self.arrivals: list[float] = []
+        self.dumps: list[tuple[float, str]] = []  # (the last token's time, the stacks)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        dumped_after = None
+        while not self._stop.wait(0.05):  # bounded by stop()
+            if not self.arrivals:
+                continue
+            last = self.arrivals[-1]
+            if last != dumped_after and time.monotonic() - last > self.after:
+                dumped_after = last
+                out = []
+                for pid in self.pids:
+                    r = subprocess.run([self.py_spy, "dump", "--nonblocking", "--pid", str(pid)],
+                                       capture_output=True, text=True, timeout=30, check=False)
+                    out.append(f"--- {name(pid)} ({pid}) at +{time.monotonic() - last:.2f} s\n"
+                               f"{r.stdout}{r.stderr}")
+                self.dumps.append((last, "".join(out)))
+
+    def __enter__(self) -> "GapDumper":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+def stream_arrivals(port: int, tokens: int, seed: int, arrivals: list[float] | None = None) -> list[float]:
+    """One streamed completion of exactly `tokens` tokens; the monotonic time each token arrived
+    (appended to `arrivals` as they come, when given)."""
     body = json.dumps({"model": L.SERVED_NAME, "prompt": [(seed * 7 + i) % 200 + 10 for i in range(16)],
                        "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True, "temperature": 0,
                        "stream": True})
@@ -115,7 +232,8 @@ def stream_arrivals(port: int, tokens: int, seed: int) -> list[float]:
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"completion: HTTP {resp.status}: {resp.read()[:300]!r}")
-    arrivals = []
+    arrivals = [] if arrivals is None else arrivals
+    first = len(arrivals)
     for raw in resp:
         line = raw.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -125,7 +243,7 @@ def stream_arrivals(port: int, tokens: int, seed: int) -> list[float]:
         if choices and (choices[0].get("text") or choices[0].get("token_ids")):
             arrivals.append(now)
     conn.close()
-    return arrivals
+    return arrivals[first:]
 
 
 def gap_summary(runs: list[list[float]]) -> dict:
@@ -166,7 +284,27 @@ def measure(label: str, env: dict[str, str], workdir: Path, args) -> dict:
         cores = idle_cores(pair.proc.pid, args.idle_s)
         pids = tree(pair.proc.pid)
         wait0 = {p: run_queue_wait_s(p) for p in pids}
-        runs = [stream_arrivals(pair.ports.api, args.tokens, seed=i) for i in range(args.requests)]
+        dumper = GapDumper(args.py_spy, pids) if args.py_spy else None
+        # --busy: niced CPU-bound processes during the decode, a loaded host's other work.
+        busy = [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
+                for _ in range(args.busy)]
+        with ThreadSampler(pids) as sampler:
+            if dumper:
+                dumper.__enter__()
+            try:
+                runs = [stream_arrivals(pair.ports.api, args.tokens, seed=i,
+                                        arrivals=dumper.arrivals if dumper else None)
+                        for i in range(args.requests)]
+            finally:
+                if dumper:
+                    dumper.__exit__()
+                for b in busy:  # ours, by PID
+                    b.kill()
+                    b.wait(timeout=30)
+        stacks = {a: text for a, text in (dumper.dumps if dumper else [])}
+        traces = [{"gap_s": round(b - a, 3), "threads": sampler.window(a, b),
+                   **({"stacks": stacks[a]} if a in stacks else {})}
+                  for arr in runs for a, b in zip(arr, arr[1:]) if b - a > GAP_S][:5]
         waits = {}
         for p in pids:
             w1 = run_queue_wait_s(p)
@@ -174,8 +312,9 @@ def measure(label: str, env: dict[str, str], workdir: Path, args) -> dict:
                 waits[f"{name(p)} ({p})"] = {"run_queue_wait_s": round(w1 - wait0[p], 2),
                                              "cpus": sorted(os.sched_getaffinity(p)) if Path(f"/proc/{p}").exists() else None}
         return {"variant": label, "env": env, "idle_cores": round(cores, 4), "idle_s": args.idle_s,
+                "busy": args.busy,
                 "decode": gap_summary(runs), "requests": args.requests, "tokens": args.tokens,
-                "run_queue_waits_during_decode": waits}
+                "run_queue_waits_during_decode": waits, "gap_traces": traces}
     finally:
         pair.stop()
         kill_leftovers(workdir)
@@ -197,6 +336,9 @@ def table(rows: list[dict]) -> str:
             out.append(f"\n{r['variant']}: run-queue wait during the decode (main threads over 0.05 s), CPUs allowed:")
             for proc, w in sorted(r["run_queue_waits_during_decode"].items(), key=lambda kv: -kv[1]["run_queue_wait_s"]):
                 out.append(f"  {proc}: {w['run_queue_wait_s']} s, CPUs {w['cpus']}")
+        for g in r.get("gap_traces") or []:
+            out.append(f"\n{r['variant']}: a {g['gap_s']} s gap; the threads that ran or waited in it:")
+            out += [f"  {line}" for line in g["threads"]]
     return "\n".join(out)
 
 
@@ -219,9 +361,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3, help="streamed completions, one at a time (default 3)")
     parser.add_argument("--tokens", type=int, default=150, help="tokens per completion (default 150)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="N niced busy loops running during the decode: a loaded host (default 0)")
+    parser.add_argument("--py-spy", metavar="PATH",
+                        help="py-spy to dump the vLLM processes' stacks whenever a token is 0.3 s late "
+                             "(the stacks of each gap over 0.5 s go to --json)")
+    parser.add_argument("--only", choices=("stock", "patched"),
+                        help="run one variant only (to chase the stock gaps; no side-by-side figure)")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.idle_s <= 0 or args.requests < 1 or args.tokens < 2:
-        parser.error("--rounds, --requests: at least 1; --idle-s: positive; --tokens: at least 2")
+    if args.rounds < 1 or args.idle_s <= 0 or args.requests < 1 or args.tokens < 2 or not 0 <= args.busy <= 8:
+        parser.error("--rounds, --requests: at least 1; --idle-s: positive; --tokens: at least 2; "
+                     "--busy: 0 to 8")
     if not local_series_applied():
         print(f"spin: this environment's vLLM does not carry overlay/local-series ({ENV} would be ignored); "
               "run .ci/setup", file=sys.stderr)
@@ -231,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.rounds):
             for label, env in VARIANTS:
+                if args.only and args.only != ("stock" if env else "patched"):
+                    continue
                 print(f"round {i + 1}: {label}: starting the pair ...", file=sys.stderr, flush=True)
                 rows.append(measure(label, env, tmp / f"{i}-{'stock' if env else 'patched'}", args))
     finally:

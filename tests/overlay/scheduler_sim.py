@@ -11,13 +11,15 @@ computes here), the serving settings (max_model_len, max_num_seqs,
 max_num_batched_tokens, async_scheduling, num_speculative_tokens,
 long_prefill_token_threshold, enable_prefix_caching, on unless said) and a workload: ``n``
 requests of ``length`` tokens, sent together (each a prompt of ``length - SETTLE`` distinct
-tokens that may generate ``decode`` more). A case is ``ok`` when all n requests have
+tokens that may generate ``decode`` more), or with ``stagger`` the last one sent once the other
+n - 1 have prefilled and settled to decoding (a server's usual case: one request ends, the next
+arrives while the rest run). A case is ``ok`` when all n requests have
 prefilled their whole prompt and decoded SETTLE tokens at the same time (all n hold at
 least ``length`` tokens of KV at once) with no preemption; it fails at the first
 preemption, when a request finishes before that, or (``stuck``) when a request is still
 refused once every running request decodes and their in-flight blocks have settled (from
 then on the free blocks only shrink). A case with ``edge`` searches vLLM's longest length
-around a planned figure (edge_case); ``debug`` adds the blocks each request holds per
+around a planned figure (edge_case), each length with both workloads; ``debug`` adds the blocks each request holds per
 KV-cache group at the end. It prints ``@@RESULTS@@`` and one JSON list.
 
 What runs is vLLM's own code: a real VllmConfig from
@@ -161,7 +163,7 @@ def run_case(case: dict, model_dir: Path) -> dict:
     # more, so the first admitted keep decoding while the last prefill; the run stops once
     # every request has prefilled its whole prompt and decoded ``SETTLE`` tokens at the same
     # time (all n hold at least ``length`` tokens of KV at once), or at the first preemption.
-    for i in range(n):
+    def request(i: int):
         # (i * 7919 + j) % 120000 + 1 for j in range(prompt), built from one rotated cycle
         # (a list per token took about 7% of the simulation's time): no two requests
         # share a first block, so prefix caching finds no hits.
@@ -169,8 +171,17 @@ def run_case(case: dict, model_dir: Path) -> dict:
         cycle = list(range(start + 1, 120001)) + list(range(1, start + 1))
         tokens = (cycle * (prompt // 120000 + 1))[:prompt]
         sp = SamplingParams(max_tokens=decode, ignore_eos=True, min_tokens=decode)
-        sched.add_request(Request(f"r{i}", tokens, sp, None, block_hasher=hasher))
-    reqs = dict(sched.requests)
+        return Request(f"r{i}", tokens, sp, None, block_hasher=hasher)
+
+    # ``stagger``: the last request arrives once the other n - 1 have prefilled and settled
+    # to decoding (what a server sees when one request ends and the next comes while the rest
+    # run); otherwise all n arrive together.
+    stagger = bool(case.get("stagger")) and n > 1
+    reqs = {}
+    for i in range(n - 1 if stagger else n):
+        reqs[f"r{i}"] = r = request(i)
+        sched.add_request(r)
+    late = request(n - 1) if stagger else None
     batch_queue: deque = deque()
     depth = vc.max_concurrent_batches
     steps = 0
@@ -180,8 +191,16 @@ def run_case(case: dict, model_dir: Path) -> dict:
     max_running = 0
     all_at_once = stuck = False
     idle = 0  # steps in a row with requests waiting, none prefilling and none admitted
+    quiet = 0  # steps in a row with every running request decoding (the stagger's wait)
     while (sched.has_requests() or batch_queue) and steps < max_steps:
         steps += 1
+        if late is not None:
+            quiet = quiet + 1 if all(r.num_computed_tokens >= r.num_prompt_tokens
+                                     for r in sched.running) and not sched.waiting else 0
+            if quiet > vc.max_concurrent_batches + 2:  # the n - 1 in-flight blocks settled
+                reqs[late.request_id] = late
+                sched.add_request(late)
+                late = None
         if sched.has_requests():
             waiting = len(sched.waiting)
             out = sched.schedule()
@@ -213,7 +232,7 @@ def run_case(case: dict, model_dir: Path) -> dict:
             break
         if any(r.is_finished() for r in reqs.values()):
             break  # one finished before all n held their KV at once
-        if all(r.num_output_tokens >= SETTLE for r in reqs.values()):
+        if late is None and all(r.num_output_tokens >= SETTLE for r in reqs.values()):
             all_at_once = True
             break
     preempted = [r.request_id for r in reqs.values() if r.num_preemptions]
@@ -246,8 +265,14 @@ def edge_case(case: dict, model_dir: Path) -> dict:
     runs: dict[int, dict] = {}
 
     def ok(length: int) -> bool:
+        """n requests of ``length`` all resident at once, sent together and (``stagger``, on
+        unless the spec says no) with the last arriving once the others decode."""
         if length not in runs:
-            runs[length] = run_case({**case, "length": length}, model_dir)
+            res = run_case({**case, "length": length}, model_dir)
+            if res["ok"] and spec.get("stagger", True):
+                late = run_case({**case, "length": length, "stagger": True}, model_dir)
+                res = {**late, "together": True, "ok": late["ok"]} if not late["ok"] else res
+            runs[length] = res
         return runs[length]["ok"]
 
     for length in sorted({plan, *(max(SETTLE + 1, int(plan * f)) for f in spec["below"])},
@@ -275,7 +300,7 @@ def edge_case(case: dict, model_dir: Path) -> dict:
             "num_blocks": first.get("num_blocks"),
             "error": next((v["error"] for v in runs.values() if v.get("error")), None),
             "runs": {str(k): {f: v.get(f) for f in ("ok", "preemptions", "max_running", "steps",
-                                                       "stuck")}
+                                                       "stuck", "together")}
                      for k, v in sorted(runs.items())}}
 
 
