@@ -150,9 +150,10 @@ class Scheduling:
     mod the chunk): in the step where the first requests' last chunks are still in flight,
     the budget they leave admits the next ones only if the gate passes with those chunks'
     window blocks held; then the early ones' own first chunks hold window blocks while the
-    later ones are gated. So vLLM's own limit is not monotone in length near the edge
-    (at the serving defaults, prefix caching off, 12 x 262,460 does not all run while 12 x
-    264,308 does). The plan
+    later ones are gated. So for requests sent together vLLM's own limit is not monotone in
+    length (at the serving defaults 12 x 261,430 strands the last request while 12 x 261,440
+    runs); a request that arrives while the other n - 1 decode meets the gate at every length
+    (12 x 251,500 runs, 12 x 253,630 does not). The plan
     assumes no order: a refused request waits at the head of the queue, and once every other
     request has prefilled and settled to decoding, the free blocks only shrink, so all n run
     whatever the order when the pool holds n - 1 requests decoding plus one admission cap,
