@@ -212,8 +212,8 @@ class Scheduling:
             return False
         if (n - prefill_at_once) * decoding + prefill_at_once * prefilling > self.num_blocks:
             return False
-        if n == prefill_at_once and (n - 1) * self.held(first, first) + cap <= self.num_blocks:
-            return True  # all admitted in the first step, each holding its first chunk
+        # The last request may arrive once the other n - 1 decode (a server's usual case): it is
+        # admitted only when its cap fits beside them, whatever the first step could admit.
         return (n - 1) * decoding + cap <= self.num_blocks
 
     def longest(self, n: int, limit: int) -> int:
