@@ -5,9 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import runtime_lines
 from .facts import GiB, serving_default
 from .fit import Plan, make_plan
 from .inputs import PlanInputs
+
+
+def line_kv_cache_dtype(serving) -> str:
+    """The KV-cache dtype vLLM runs: the cluster file's (the seed line's vocabulary) as the node's
+    runtime line sends it (v0.32.0 sends the seed's nvfp4_ds_mla as fp8_ds_mla, whose pages are
+    padded to 576 bytes); the file's own where the line refuses it (config check says so)."""
+    dtype = serving.kv_cache_dtype or "auto"
+    try:
+        line = runtime_lines.load().get(serving.runtime_line)
+        sent = runtime_lines.render_settings(line, {"kv_cache_dtype": dtype}).values["kv_cache_dtype"]
+    except runtime_lines.LineRefusal:
+        return dtype
+    return sent or dtype
 
 
 def plan_inputs(cluster, model_dir: Path | None = None) -> PlanInputs:
@@ -21,7 +35,7 @@ def plan_inputs(cluster, model_dir: Path | None = None) -> PlanInputs:
         max_model_len=s.max_model_len,
         max_num_seqs=s.max_num_seqs,
         block_size=s.block_size,
-        kv_cache_dtype=s.kv_cache_dtype or "auto",
+        kv_cache_dtype=line_kv_cache_dtype(s),
         # With kv_cache_memory_bytes set the utilization is not used; the config's default otherwise.
         gpu_memory_utilization=util if util is not None else serving_default("gpu_memory_utilization"),
         kv_cache_memory_bytes=s.kv_cache_memory_bytes,
