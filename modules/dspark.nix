@@ -270,7 +270,7 @@ in
               options.runtime_line = mkOption {
                 type = types.str;
                 default = runtimeLines.default;
-                example = "v0.29.0";
+                example = "v0.32.0";
                 description = ''
                   The runtime line the nodes run, one of `services.dspark.lines`: the switch between
                   lines on NixOS. Set the same value on every host; the cluster file's

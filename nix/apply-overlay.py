@@ -1,7 +1,7 @@
 """Apply one runtime line's overlay series to an installed vLLM tree: what nix/runtime.nix runs in
 its install phase, and nix/replay-runtime.py after its install (so the two cannot drift).
 
-    python3 nix/apply-overlay.py --vllm-version 0.29.0 SITE_PACKAGES PATCH...
+    python3 nix/apply-overlay.py --vllm-version 0.32.0 SITE_PACKAGES PATCH...
 
 The patches are the line's series in order (nix/lines.nix: the line's series file), each its own
 path (in the Nix build, its own store path). They are applied by dspark.overlay (all or nothing,

@@ -31,7 +31,7 @@ let
   line = id: raw: {
     inherit id;
     inherit (raw) vllm;
-    # `nix build .#runtime-v0_29_0`: a flake attribute may not hold a dot unquoted on the command line.
+    # `nix build .#runtime-v0_32_0`: a flake attribute may not hold a dot unquoted on the command line.
     attr = "runtime-" + builtins.replaceStrings [ "." ] [ "_" ] id;
     lock = repo + "/${raw.lock}";
     requirements = repo + "/${raw.requirements}";

@@ -2,7 +2,7 @@
 """Replay nix/runtime.nix's build of the GB10 runtime without nixpkgs, and report what would stop it.
 
     python3 nix/replay-runtime.py --cache ~/.cache/dspark/runtime-wheels    # about 4 GB the first time
-    python3 nix/replay-runtime.py --line v0.29.0 --cache ...                # another runtime line
+    python3 nix/replay-runtime.py --line v0.32.0 --cache ...                # another runtime line
 
 It reads what the Nix build of a runtime line reads (the line in src/dspark/data/runtime_lines.toml,
 as nix/lines.nix does: its lock, nix/runtime-lock.json for the default line, and its overlay

@@ -13,7 +13,7 @@ from dspark import line_state as L
 from dspark.bench.report import DecodeLevel, Report
 from dspark.switch import history_table, judge, score
 
-A, B = "v0.28.0", "v0.29.0"
+A, B = "v0.28.0", "v0.32.0"
 
 
 def cluster(**serving) -> C.Cluster:

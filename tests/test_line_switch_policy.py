@@ -12,7 +12,7 @@ from dspark.node_policy import EXIT_NEVER_READY, EXIT_OK, EXIT_SWITCH, Events
 
 from test_node_policy import exit_of, good_probe, head_peer, kinds, policy, state_of, worker_peer
 
-A, B = "v0.28.0", "v0.29.0"
+A, B = "v0.28.0", "v0.32.0"
 
 
 def answer(state: str, line: str, file_line: str = A, switch: dict | None = None, started_at: float = 1.0):

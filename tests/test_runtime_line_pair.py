@@ -26,7 +26,7 @@ from dspark.node_policy import EXIT_NEVER_READY, Events, Limits, NodePolicy, Pee
 from dspark.preflight import peer as P
 from dspark_cli import invoke_dspark
 
-SECOND = "v0.29.0"
+SECOND = "v0.32.0"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -230,12 +230,12 @@ def test_local_cluster_file_names_the_line_and_its_vllm(tmp_path):
 
 # ------------------------------------------------------------------------------ the line's runtime
 def test_check_fails_when_the_command_runs_another_lines_release(tmp_path):
-    """The cluster file says v0.29.0 but its vllm_command is .venv's vLLM 0.28.0: `dspark check`
+    """The cluster file says v0.32.0 but its vllm_command is .venv's vLLM 0.28.0: `dspark check`
     fails runtime.line naming both releases (the identity is read from the real install)."""
     port_h, port_w = free_port(), free_port("127.0.0.2")
     wrong = write_cluster(tmp_path, "wrong.toml", port_h, port_w, SECOND)
     got = {c.name: c for c in P.check_runtime_line(wrong, P.local_identity(wrong))}["runtime.line"]
-    assert got.status == "fail" and "0.29.0" in got.seen and "0.28.0" in got.seen, got
+    assert got.status == "fail" and "0.32.0" in got.seen and "0.28.0" in got.seen, got
     right = write_cluster(tmp_path, "right.toml", port_h, port_w, None)
     got = {c.name: c for c in P.check_runtime_line(right, P.local_identity(right))}["runtime.line"]
     assert got.status == "ok" and "v0.28.0" in got.seen, got

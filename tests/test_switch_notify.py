@@ -20,7 +20,7 @@ from dspark import config as C
 from dspark import line_state, local
 from dspark.local_model import TINY_MODEL
 
-A, B = "v0.28.0", "v0.29.0"
+A, B = "v0.28.0", "v0.32.0"
 
 
 def test_a_switch_restarts_vllm_on_the_new_line_without_stopping_the_unit(tmp_path, serve):  # noqa: F811

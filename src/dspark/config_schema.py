@@ -119,7 +119,7 @@ class ServingConfig:
     line_commands: dict[str, list[str]] = _f(
         help="vLLM's command of each runtime line installed on the nodes, by line: what `dspark switch` can "
              "move the pair to. A node runs line_commands[its line], else vllm_command.",
-        example={"v0.29.0": ["/opt/dspark/lines/v0.29.0/bin/vllm"]}, factory=dict,
+        example={"v0.32.0": ["/opt/dspark/lines/v0.32.0/bin/vllm"]}, factory=dict,
         source="dspark's runtime lines; the NixOS module writes one entry per line it builds "
                "(services.dspark.lines), `dspark local up` one per line installed here")
     tensor_parallel_size: int = _f(2, help="Tensor parallel size: nodes x GPUs per node.", example=2,

@@ -4,7 +4,7 @@ The cluster file names the pair's line (`serving.runtime_line`); `dspark switch`
 pair to another installed line (`serving.line_commands`) without editing that file, so the line
 a node runs is state, the same on every node of a pair:
 
-    <state dir>/runtime-line.json   {"line": "v0.29.0", "file_line": "v0.28.0",
+    <state dir>/runtime-line.json   {"line": "v0.32.0", "file_line": "v0.28.0",
                                      "switch": {"id": ..., "from": ..., "to": ..., "at": ...,
                                                 "rollback": false} | null}
 

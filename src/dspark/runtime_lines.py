@@ -18,7 +18,7 @@ from typing import Any
 # The cluster-file settings whose names differ between lines (serving.<setting>).
 SETTINGS = ("kv_cache_dtype", "moe_backend")
 # vLLM normalizes --moe-backend before matching it (config/kernel.py _normalize_moe_backend, 0.28.0
-# and 0.29.0); the lookup does the same so a name vLLM takes is never refused.
+# and 0.32.0); the lookup does the same so a name vLLM takes is never refused.
 _NORMALIZE = {"moe_backend": lambda v: v.lower().replace("-", "_")}
 
 
@@ -85,6 +85,8 @@ class Lines:
     lines: dict[str, Line]
     seed_meanings: dict[str, dict[str, str]]
     upstream_meanings: dict[str, dict[str, dict[str, str]]]
+    # Lines dspark ran once and no longer does: line id -> why (the refusal names it).
+    retired: dict[str, str] = field(default_factory=dict)
 
     def get(self, line_id: str) -> Line:
         try:
@@ -94,8 +96,10 @@ class Lines:
 
 
 def unknown_line_message(line_id: str, lines: Lines) -> str:
-    return (f"serving.runtime_line: {line_id!r} is not a known runtime line; known: "
-            f"{', '.join(sorted(lines.lines))} (default {lines.default})")
+    known = f"known: {', '.join(sorted(lines.lines))} (default {lines.default})"
+    if line_id in lines.retired:
+        return f"serving.runtime_line: {line_id!r} was retired: {lines.retired[line_id]}; {known}"
+    return f"serving.runtime_line: {line_id!r} is not a known runtime line; {known}"
 
 
 def _term(raw: dict[str, Any], where: str) -> Term:
@@ -130,6 +134,7 @@ def parse(data: dict[str, Any]) -> Lines:
         seed_meanings={s: dict(data.get("seed_meanings", {}).get(s, {})) for s in SETTINGS},
         upstream_meanings={release: {s: dict(v.get(s, {})) for s in SETTINGS}
                            for release, v in data.get("upstream_meanings", {}).items()},
+        retired={k: str(v["why"]) for k, v in data.get("retired", {}).items()},
     )
     problems = check_data(lines)
     if problems:
@@ -146,6 +151,7 @@ def check_data(lines: Lines) -> list[str]:
     p: list[str] = []
     if lines.default not in lines.lines:
         p.append(f"default {lines.default!r} is not a line")
+    p += [f"{k}: both a line and retired" for k in sorted(set(lines.retired) & set(lines.lines))]
     for line in lines.lines.values():
         if not set(line.ported) <= set(line.series):
             p.append(f"{line.id}: ported {', '.join(sorted(set(line.ported) - set(line.series)))} "

@@ -169,37 +169,37 @@ def test_runtime_line_on_every_card_other_line_marked_and_the_switch_shown(page,
     assert ctx["line"] == "v0.28.0" and ctx["switching"] is None and ctx["otherLine"] == []
     assert not any(n.get("linenote") for n in ctx["nodes"].values()), ctx["nodes"]
 
-    head.line_switch = {"id": "20261202T174500Z-v0.28.0-to-v0.29.0", "from": "v0.28.0", "to": "v0.29.0",
+    head.line_switch = {"id": "20261202T174500Z-v0.28.0-to-v0.32.0", "from": "v0.28.0", "to": "v0.32.0",
                         "at": time.time(), "rollback": False}
     ctx = wait(driver, lambda c: c["switching"] is not None)
-    assert ctx["switching"].startswith("switching v0.28.0 → v0.29.0"), ctx["switching"]
-    assert "20261202T174500Z-v0.28.0-to-v0.29.0" in ctx["switching"]
+    assert ctx["switching"].startswith("switching v0.28.0 → v0.32.0"), ctx["switching"]
+    assert "20261202T174500Z-v0.28.0-to-v0.32.0" in ctx["switching"]
     assert ctx["otherLine"] == []  # both still on v0.28.0
 
-    # the head drains and restarts on v0.29.0; the worker is still on v0.28.0
-    head.runtime_line, head.state, head.detail = "v0.29.0", A.LOADING, "loading the model on v0.29.0"
+    # the head drains and restarts on v0.32.0; the worker is still on v0.28.0
+    head.runtime_line, head.state, head.detail = "v0.32.0", A.LOADING, "loading the model on v0.32.0"
     ctx = wait(driver, lambda c: c["otherLine"] != [])
     driver.save_screenshot(str(artifacts_dir / "dashboard-line-switch.png"))
     assert ctx["otherLine"] == ["local-worker"]
-    assert lines(ctx) == {"local-head": "v0.29.0", "local-worker": "v0.28.0"}
-    assert ctx["line"] == "v0.29.0"
+    assert lines(ctx) == {"local-head": "v0.32.0", "local-worker": "v0.28.0"}
+    assert ctx["line"] == "v0.32.0"
     note = ctx["nodes"]["local-worker"]["linenote"]
-    assert "v0.28.0" in note and "the head" in note and "v0.29.0" in note, note
+    assert "v0.28.0" in note and "the head" in note and "v0.32.0" in note, note
     assert ctx["nodes"]["local-head"]["linenote"] == ""
     assert ctx["borders"]["local-worker"] == rgb(ctx["warn"]), (ctx["borders"], ctx["warn"])
     assert ctx["borders"]["local-head"] != rgb(ctx["warn"]), ctx["borders"]
-    assert ctx["switching"].startswith("switching v0.28.0 → v0.29.0")
+    assert ctx["switching"].startswith("switching v0.28.0 → v0.32.0")
 
     # the worker follows; the verdict is in (kept): one line, no strip, no mark
-    worker.runtime_line = "v0.29.0"
+    worker.runtime_line = "v0.32.0"
     head.state, head.detail, head.line_switch = A.SERVING, "", None
     ctx = wait(driver, lambda c: c["switching"] is None and c["otherLine"] == [])
-    assert lines(ctx) == {"local-head": "v0.29.0", "local-worker": "v0.29.0"} and ctx["line"] == "v0.29.0"
+    assert lines(ctx) == {"local-head": "v0.32.0", "local-worker": "v0.32.0"} and ctx["line"] == "v0.32.0"
     assert ctx["borders"]["local-worker"] != rgb(ctx["warn"])
 
     # a rollback (the regression gate said no): the strip says so
-    head.line_switch = {"id": "20261202T174500Z-v0.28.0-to-v0.29.0-rollback", "from": "v0.29.0",
+    head.line_switch = {"id": "20261202T174500Z-v0.28.0-to-v0.32.0-rollback", "from": "v0.32.0",
                         "to": "v0.28.0", "at": time.time(), "rollback": True}
     ctx = wait(driver, lambda c: (c["switching"] or "").startswith("rolling back"))
     driver.save_screenshot(str(artifacts_dir / "dashboard-line-rollback.png"))
-    assert ctx["switching"].startswith("rolling back v0.29.0 → v0.28.0"), ctx["switching"]
+    assert ctx["switching"].startswith("rolling back v0.32.0 → v0.28.0"), ctx["switching"]

@@ -371,34 +371,34 @@ def test_collector_reports_each_nodes_line_and_the_switch(metrics_stand_in, agen
         [("v0.28.0", "v0.28.0", False)] * 2
     assert snap["runtime_line"] == {"head": "v0.28.0", "mixed": False, "switch": None}
 
-    # dspark switch wrote the head's state: the head drains and comes back on v0.29.0 first,
+    # dspark switch wrote the head's state: the head drains and comes back on v0.32.0 first,
     # the worker is still on v0.28.0 (it follows once it sees the head's line)
-    head.line_switch = switch_record("v0.28.0", "v0.29.0", ago_s=30)
-    head.runtime_line, head.state = "v0.29.0", A.LOADING
+    head.line_switch = switch_record("v0.28.0", "v0.32.0", ago_s=30)
+    head.runtime_line, head.state = "v0.32.0", A.LOADING
     snap = col.tick()
     validate_snapshot(snap)
-    assert [(n["runtime_line"], n["other_line"]) for n in snap["nodes"]] == [("v0.29.0", False), ("v0.28.0", True)]
+    assert [(n["runtime_line"], n["other_line"]) for n in snap["nodes"]] == [("v0.32.0", False), ("v0.28.0", True)]
     line = snap["runtime_line"]
-    assert line["head"] == "v0.29.0" and line["mixed"] is True
+    assert line["head"] == "v0.32.0" and line["mixed"] is True
     sw = line["switch"]
     assert (sw["from"], sw["to"], sw["rollback"], sw["id"]) == \
-        ("v0.28.0", "v0.29.0", False, "20261202T174500Z-v0.28.0-to-v0.29.0")
+        ("v0.28.0", "v0.32.0", False, "20261202T174500Z-v0.28.0-to-v0.32.0")
     assert 29 <= sw["for_s"] <= 60
     assert snap["nodes"][0]["file_line"] == "v0.28.0"  # the cluster file still names the old line
 
     # the worker followed, the verdict is in (kept): one line again, no switch
-    worker.runtime_line, head.state, head.line_switch = "v0.29.0", A.SERVING, None
+    worker.runtime_line, head.state, head.line_switch = "v0.32.0", A.SERVING, None
     snap = col.tick()
     validate_snapshot(snap)
     assert [n["other_line"] for n in snap["nodes"]] == [False, False]
-    assert snap["runtime_line"] == {"head": "v0.29.0", "mixed": False, "switch": None}
+    assert snap["runtime_line"] == {"head": "v0.32.0", "mixed": False, "switch": None}
 
     # a rollback is a switch too, marked as one
-    head.line_switch = switch_record("v0.29.0", "v0.28.0", rollback=True)
+    head.line_switch = switch_record("v0.32.0", "v0.28.0", rollback=True)
     snap = col.tick()
     validate_snapshot(snap)
     sw = snap["runtime_line"]["switch"]
-    assert (sw["from"], sw["to"], sw["rollback"]) == ("v0.29.0", "v0.28.0", True) and 0 <= sw["for_s"] < 30
+    assert (sw["from"], sw["to"], sw["rollback"]) == ("v0.32.0", "v0.28.0", True) and 0 <= sw["for_s"] < 30
 
     # a record the dashboard cannot read is no switch (and no crash)
     head.line_switch = {"id": "x", "from": None, "to": 3}

@@ -77,7 +77,7 @@ return out;
 """
 
 
-SWITCH = {"id": "20261202T174500Z-v0.28.0-to-v0.29.0", "from": "v0.28.0", "to": "v0.29.0", "rollback": False}
+SWITCH = {"id": "20261202T174500Z-v0.28.0-to-v0.32.0", "from": "v0.28.0", "to": "v0.32.0", "rollback": False}
 
 
 def node_states(n: int) -> dict[str, A.NodeState]:
@@ -85,11 +85,11 @@ def node_states(n: int) -> dict[str, A.NodeState]:
     states = {}
     for rank in range(n):
         name = f"dgx-spark-{rank + 1:02d}"
-        # mid-switch: the head and all but the last worker came back on v0.29.0
+        # mid-switch: the head and all but the last worker came back on v0.32.0
         st = A.NodeState(node=name, rank=rank, role="head" if rank == 0 else "worker", state=A.SERVING,
                          vllm_pid=4_194_300 + rank, vllm_version="0.28.0", restarts=12,
                          started_at=now - 100_000, state_since=now - 90_000,
-                         runtime_line="v0.28.0" if rank == n - 1 else "v0.29.0", file_line="v0.28.0")
+                         runtime_line="v0.28.0" if rank == n - 1 else "v0.32.0", file_line="v0.28.0")
         if rank == 0:
             st.detail = "serving: API on http://192.168.100.10:8000"
             st.api_url = "http://192.168.100.10:8000"
@@ -174,7 +174,7 @@ def test_nothing_clipped_wrapped_or_scrolling(session, nodes, width, artifacts_d
           f"{len(m['outside'])} outside their card, {len(m['wrapped'])} wrapped, page "
           f"{m['scrollWidth']} px wide in {m['innerWidth']} px; {shot}")
     assert m["cards"] == nodes
-    assert m["lines"] == ["v0.29.0"] * (nodes - 1) + ["v0.28.0"], m["lines"]  # measured with the rest
+    assert m["lines"] == ["v0.32.0"] * (nodes - 1) + ["v0.28.0"], m["lines"]  # measured with the rest
     assert m["checked"] > 60, m  # the measure saw the page, not an empty one
     assert m["innerWidth"] == width
     problems = m["clipped"] + m["outside"] + m["wrapped"]

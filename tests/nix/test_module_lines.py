@@ -74,7 +74,7 @@ def test_the_cluster_file_has_every_lines_command_and_runs_the_default_line(eval
     data = cluster_file(out)
     assert data["serving"]["runtime_line"] == LINES.default == "v0.28.0"
     assert data["serving"]["line_commands"] == {i: [vllm_of(i)] for i in LOCKED}
-    assert set(data["serving"]["line_commands"]) >= {"v0.28.0", "v0.29.0"}
+    assert set(data["serving"]["line_commands"]) >= {"v0.28.0", "v0.32.0"}
     assert data["serving"]["vllm_command"] == [vllm_of("v0.28.0")]
     assert out["runtimePackage"] == "dspark-runtime-0.28.0"
     r = config_check(tmp_path, data)
@@ -86,18 +86,18 @@ def test_the_cluster_file_has_every_lines_command_and_runs_the_default_line(eval
 
 
 def test_switching_the_option_changes_the_command_and_restarts_both_units(evaluate, tmp_path):
-    """runtime_line = "v0.29.0" on both hosts: the same file on each, whose vllm_command is the
-    0.29.0 runtime; the file changes, so does each unit's restart trigger (nixos-rebuild switch
+    """runtime_line = "v0.32.0" on both hosts: the same file on each, whose vllm_command is the
+    0.32.0 runtime; the file changes, so does each unit's restart trigger (nixos-rebuild switch
     restarts the unit); back to v0.28.0 (the previous generation) gives the first file again."""
     before = {n: evaluate(host(n)) for n in ("spark-a", "spark-b")}
-    after = {n: evaluate(host(n, settings=on_line("v0.29.0"))) for n in ("spark-a", "spark-b")}
+    after = {n: evaluate(host(n, settings=on_line("v0.32.0"))) for n in ("spark-a", "spark-b")}
     back = {n: evaluate(host(n, settings=on_line("v0.28.0"))) for n in ("spark-a", "spark-b")}
     assert cluster_file(after["spark-a"]) == cluster_file(after["spark-b"])
     data = cluster_file(after["spark-a"])
-    assert data["serving"]["runtime_line"] == "v0.29.0"
-    assert data["serving"]["vllm_command"] == [vllm_of("v0.29.0")]
+    assert data["serving"]["runtime_line"] == "v0.32.0"
+    assert data["serving"]["vllm_command"] == [vllm_of("v0.32.0")]
     assert data["serving"]["line_commands"] == cluster_file(before["spark-a"])["serving"]["line_commands"]
-    assert after["spark-a"]["runtimePackage"] == "dspark-runtime-0.29.0"
+    assert after["spark-a"]["runtimePackage"] == "dspark-runtime-0.32.0"
     for node, unit in (("spark-a", "dspark-head"), ("spark-b", "dspark-worker")):
         assert after[node]["failedAssertions"] == []
         old, new = before[node]["restartTriggerValues"][unit], after[node]["restartTriggerValues"][unit]
@@ -108,11 +108,11 @@ def test_switching_the_option_changes_the_command_and_restarts_both_units(evalua
     assert after["spark-a"]["restartTriggerValues"]["dspark-wait-worker"] == []
     r = config_check(tmp_path, data)
     assert r.returncode == 0, r.stdout + r.stderr
-    # dspark render: the node's vLLM command line is the 0.29.0 runtime's.
+    # dspark render: the node's vLLM command line is the 0.32.0 runtime's.
     r = dspark("render", "--config", str(tmp_path / "cluster.toml"), "--node", "spark-a", "--json")
     assert r.returncode == 0, r.stderr
     argv = json.loads(r.stdout)["argv"]
-    assert argv[0] == vllm_of("v0.29.0") and argv[1] == "serve"
+    assert argv[0] == vllm_of("v0.32.0") and argv[1] == "serve"
 
 
 def test_an_unknown_line_is_refused_naming_the_known_ones(evaluate):
@@ -123,13 +123,13 @@ def test_an_unknown_line_is_refused_naming_the_known_ones(evaluate):
 
 
 def test_a_line_the_host_does_not_install_is_refused(evaluate):
-    only = lines_nix(**{"v0.29.0": "0.29.0"})
+    only = lines_nix(**{"v0.32.0": "0.32.0"})
     (msg,) = evaluate(host("spark-b", raw=only))["failedAssertions"]  # runtime_line left at v0.28.0
     assert msg.startswith('services.dspark.settings.serving.runtime_line = "v0.28.0" is not one of '
-                          "services.dspark.lines (known: v0.29.0)")
-    out = evaluate(host("spark-b", settings=on_line("v0.29.0"), raw=only))
+                          "services.dspark.lines (known: v0.32.0)")
+    out = evaluate(host("spark-b", settings=on_line("v0.32.0"), raw=only))
     assert out["failedAssertions"] == []
-    assert cluster_file(out)["serving"]["line_commands"] == {"v0.29.0": [vllm_of("v0.29.0")]}
+    assert cluster_file(out)["serving"]["line_commands"] == {"v0.32.0": [vllm_of("v0.32.0")]}
 
 
 def test_a_line_dspark_does_not_know_is_refused(evaluate, tmp_path):
@@ -145,10 +145,10 @@ def test_a_line_dspark_does_not_know_is_refused(evaluate, tmp_path):
 def test_a_hosts_own_vllm_command_is_its_lines_command(evaluate, tmp_path):
     """A host that sets vllm_command runs it on the chosen line: the file's own line's entry is the
     same command (dspark refuses a file where they differ)."""
-    out = evaluate(host("spark-a", settings=on_line("v0.29.0", vllm_command=["/opt/vllm-0.29/bin/vllm"])))
+    out = evaluate(host("spark-a", settings=on_line("v0.32.0", vllm_command=["/opt/vllm-0.32/bin/vllm"])))
     data = cluster_file(out)
     assert out["failedAssertions"] == []
-    assert data["serving"]["line_commands"] == {"v0.28.0": [vllm_of("v0.28.0")], "v0.29.0": ["/opt/vllm-0.29/bin/vllm"]}
+    assert data["serving"]["line_commands"] == {"v0.28.0": [vllm_of("v0.28.0")], "v0.32.0": ["/opt/vllm-0.32/bin/vllm"]}
     assert config_check(tmp_path, data).returncode == 0
 
 
@@ -187,7 +187,7 @@ def test_the_module_builds_every_line_with_the_hosts_pkgs(nix_instantiate, stub,
             (import ./modules/default.nix)
             {{ services.dspark.enable = true; services.dspark.node = "spark-a";
                services.dspark.settings.model.path = "/m";
-               services.dspark.settings.serving.runtime_line = "v0.29.0";
+               services.dspark.settings.serving.runtime_line = "v0.32.0";
                services.dspark.settings.nodes = [ {{ name = "spark-a"; rank = 0; address = "10.0.0.1"; }} ]; }}
           ];
         }};
@@ -199,5 +199,5 @@ def test_the_module_builds_every_line_with_the_hosts_pkgs(nix_instantiate, stub,
       }}""")
     assert out["lines"] == {i: {"name": f"dspark-runtime-{LINES.get(i).vllm}", "builtWith": "host", "lock": i}
                             for i in LOCKED}
-    assert out["runtime"] == "dspark-runtime-0.29.0"
-    assert out["vllm"] == ["/nix/store/00000000000000000000000000000000-dspark-runtime-0.29.0/bin/vllm"]
+    assert out["runtime"] == "dspark-runtime-0.32.0"
+    assert out["vllm"] == ["/nix/store/00000000000000000000000000000000-dspark-runtime-0.32.0/bin/vllm"]

@@ -7,7 +7,7 @@ the replay's default cache; about 3.9 GB: `python3 nix/replay-runtime.py --line 
 a developer's machine, not CI (tests/nix/replay_wheels.py says why), and says which are missing
 otherwise; the default line's is tests/nix/test_replay.py's. The
 replay's overlay step runs for real everywhere the line's vLLM tree is installed (.ci/setup puts
-vLLM 0.29.0's CPU build, the same Python sources, into .venv-lines/v0.29.0).
+vLLM 0.32.0's CPU build, the same Python sources, into .venv-lines/v0.32.0).
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ def test_full_replay_of_the_line_is_clean(tmp_path, line_id):
     assert f"'{LINES.get(line_id).vllm}'" in version
 
 
-def test_the_replays_overlay_step_on_the_v029_tree(tmp_path):
-    """The replay's last step (apply_overlay) on the vLLM 0.29.0 tree: the same apply-overlay.py
+def test_the_replays_overlay_step_on_the_v032_tree(tmp_path):
+    """The replay's last step (apply_overlay) on the vLLM 0.32.0 tree: the same apply-overlay.py
     the build runs, the line's series from the data; a second run finds the series applied."""
-    out, site = stage_prefix(tmp_path, tree("0.29.0"))
-    line = rr.load_line("v0.29.0")
+    out, site = stage_prefix(tmp_path, tree("0.32.0"))
+    line = rr.load_line("v0.32.0")
     problems, said = rr.apply_overlay(site, line, out / "bin" / "python")
-    series = LINES.get("v0.29.0").series
+    series = LINES.get("v0.32.0").series
     assert problems == [] and said == f"applied {len(series)} patches: " + ", ".join(series)
     again, said = rr.apply_overlay(site, line, out / "bin" / "python")
     assert again and "already carries the overlay series" in said
@@ -73,5 +73,5 @@ def test_an_unknown_or_unlocked_line_is_one_line_exit_2(tmp_path):
     data = tmp_path / "lines.toml"
     data.write_text((REPO / "src/dspark/data/runtime_lines.toml").read_text()
                     .replace('lock_state = "locked"', 'lock_state = "draft"'))
-    with pytest.raises(rr.ReplayError, match="runtime line v0.29.0 has no complete lock"):
-        rr.load_line("v0.29.0", data)
+    with pytest.raises(rr.ReplayError, match="runtime line v0.32.0 has no complete lock"):
+        rr.load_line("v0.32.0", data)

@@ -5,7 +5,7 @@ overlay series, one flake output each beside `.#runtime` (the default line).
 Evaluated against the stand-in of nixpkgs' top level (tests/nix/stub-nixpkgs) with the real
 nixpkgs.lib, as tests/nix/test_runtime_nix.py does; nothing is built. The overlay step of each line's
 build (the install phase's own command, from the evaluated derivation) is run for real here on the
-vLLM trees this machine has: vLLM 0.28.0 in .venv and vLLM 0.29.0 in .venv-lines/v0.29.0
+vLLM trees this machine has: vLLM 0.28.0 in .venv and vLLM 0.32.0 in .venv-lines/v0.32.0
 (`.ci/setup`), the same Python sources as the CUDA wheels the locks pin.
 """
 
@@ -70,7 +70,7 @@ def test_lines_nix_is_the_data_every_locked_line_with_its_lock_and_series(nix_in
     and series as dspark.runtime_lines and the replay read."""
     out = nix_eval_stored(nix_instantiate, "import ./nix/lines.nix")
     assert out["default"] == LINES.default == "v0.28.0"
-    assert sorted(out["lines"]) == LOCKED and {"v0.28.0", "v0.29.0"} <= set(LOCKED)
+    assert sorted(out["lines"]) == LOCKED and {"v0.28.0", "v0.32.0"} <= set(LOCKED)
     assert out["known"] == sorted(LINES.lines)
     assert out["defaultLine"] == out["lines"][LINES.default]
     for line_id, nix_line in out["lines"].items():
@@ -153,7 +153,7 @@ def test_the_flake_has_one_runtime_per_line_and_runtime_stays_the_default(nix_in
         assert got["name"] == f"dspark-runtime-{LINES.get(line_id).vllm}" and got["line"] == line_id
     # `nix build .#runtime` is the default line's runtime itself, not another build of it.
     assert out["runtime"] == out["lines"][LINES.default]["out"]
-    assert out["lines"]["v0.29.0"]["out"] != out["runtime"]
+    assert out["lines"]["v0.32.0"]["out"] != out["runtime"]
 
 
 def test_the_overlay_gives_every_lines_runtime(nix_instantiate, stub):
@@ -194,7 +194,7 @@ def test_each_lines_runtime_installs_its_own_lock_and_applies_its_own_series(nix
 def test_the_lines_differ_only_in_what_the_line_gives(nix_instantiate, stub):
     a, b = (line_runtime(nix_instantiate, stub, i, "{ inherit (drv) postFixup dontStrip autoPatchelfIgnoreMissingDeps "
                                                    "appendRunpaths; buildInputs = map (d: d.name) drv.buildInputs; }")
-            for i in ("v0.28.0", "v0.29.0"))
+            for i in ("v0.28.0", "v0.32.0"))
     assert a == b  # runtime-build.json drives both: the same wrappers, libraries and RPATHs
 
 
@@ -223,8 +223,8 @@ def site_of(version: str) -> Path | None:
 def tree(version: str) -> Path:
     site = site_of(version)
     if site is None or not (site / "vllm").is_dir():
-        pytest.skip(f"no vLLM {version} tree here (.ci/setup installs 0.28.0 into .venv and 0.29.0 into "
-                    f".venv-lines/v0.29.0; or set DSPARK_VLLM_0{version.split('.')[1]}_SITE)")
+        pytest.skip(f"no vLLM {version} tree here (.ci/setup installs 0.28.0 into .venv and 0.32.0 into "
+                    f".venv-lines/v0.32.0; or set DSPARK_VLLM_0{version.split('.')[1]}_SITE)")
     return site
 
 
@@ -286,7 +286,7 @@ def test_the_builds_overlay_step_applies_the_lines_series_to_its_vllm(nix_instan
     assert overlay.is_applied(site, overlay_dir)
 
 
-@pytest.mark.parametrize("line_id, other", [("v0.28.0", "0.29.0"), ("v0.29.0", "0.28.0")])
+@pytest.mark.parametrize("line_id, other", [("v0.28.0", "0.32.0"), ("v0.32.0", "0.28.0")])
 def test_a_lines_build_refuses_another_releases_vllm(nix_instantiate, stub, tmp_path, line_id, other):
     """The version the tree must hold is the line's: a lock that installed another vLLM stops the
     build with dspark.overlay's message, and nothing is patched."""

@@ -90,16 +90,16 @@ def patched_results(patched_site) -> dict[str, str]:
     return run_checks(patched_site)
 
 
-# ------------------------------------------------------------------ runtime line v0.29.0
+# ------------------------------------------------------------------ runtime line v0.32.0
 
-LINE_029 = "v0.29.0"
-SITE_029_ENV = "DSPARK_VLLM_029_SITE"
+LINE_032 = "v0.32.0"
+SITE_032_ENV = "DSPARK_VLLM_032_SITE"
 
 
-def line_site(line: str = LINE_029) -> Path | None:
-    """The line's vLLM tree: the site directory DSPARK_VLLM_029_SITE names, else the line's CPU
+def line_site(line: str = LINE_032) -> Path | None:
+    """The line's vLLM tree: the site directory DSPARK_VLLM_032_SITE names, else the line's CPU
     build that .ci/setup installs beside .venv (dspark.local.lines_dir()/<line>)."""
-    named = os.environ.get(SITE_029_ENV)
+    named = os.environ.get(SITE_032_ENV)
     if named:
         return Path(named)
     from dspark.local import lines_dir
@@ -116,29 +116,29 @@ def line_python(site: Path) -> Path | str:
 
 
 @pytest.fixture(scope="session")
-def stock_site_029(tmp_path_factory) -> Path:
-    """A pristine copy of the vLLM 0.29.0 tree (skipped, saying why, when there is none)."""
+def stock_site_032(tmp_path_factory) -> Path:
+    """A pristine copy of the vLLM 0.32.0 tree (skipped, saying why, when there is none)."""
     site = line_site()
     if site is None:
-        pytest.skip(f"no vLLM 0.29.0 tree here: neither .venv-lines/{LINE_029} (.ci/setup installs it) nor "
-                    f"{SITE_029_ENV} (a vLLM 0.29.0 site directory)")
-    return copy_vllm_tree(site, tmp_path_factory.mktemp("stock029"))
+        pytest.skip(f"no vLLM 0.32.0 tree here: neither .venv-lines/{LINE_032} (.ci/setup installs it) nor "
+                    f"{SITE_032_ENV} (a vLLM 0.32.0 site directory)")
+    return copy_vllm_tree(site, tmp_path_factory.mktemp("stock032"))
 
 
 @pytest.fixture(scope="session")
-def python_029() -> Path | str:
+def python_032() -> Path | str:
     site = line_site()
     if site is None:
-        pytest.skip("no vLLM 0.29.0 tree here")
+        pytest.skip("no vLLM 0.32.0 tree here")
     return line_python(site)
 
 
 @pytest.fixture(scope="session")
-def patched_site_029(stock_site_029, tmp_path_factory) -> Path:
-    """A copy of the 0.29.0 tree with the v0.29.0 line's series applied by dspark.overlay."""
+def patched_site_032(stock_site_032, tmp_path_factory) -> Path:
+    """A copy of the 0.32.0 tree with the v0.32.0 line's series applied by dspark.overlay."""
     from dspark.overlay import apply_series, line_series
 
-    site = tmp_path_factory.mktemp("patched029")
-    shutil.copytree(stock_site_029, site, dirs_exist_ok=True)
-    apply_series(site, line_series(LINE_029))
+    site = tmp_path_factory.mktemp("patched032")
+    shutil.copytree(stock_site_032, site, dirs_exist_ok=True)
+    apply_series(site, line_series(LINE_032))
     return site

@@ -66,8 +66,8 @@ def test_without_0012_a_prefill_gets_the_captured_decodes_workspace(stock_site, 
     assert json.loads(r["held after the profile run"]) == {"_flashinfer_dsv4_workspace_by_device": 1}
 
 
-def test_the_v029_line_keeps_the_workspaces_apart(patched_site_029, python_029):
-    r = run_workspace_checks(patched_site_029, python=python_029)
+def test_the_v032_line_keeps_the_workspaces_apart(patched_site_032, python_032):
+    r = run_workspace_checks(patched_site_032, python=python_032)
     assert r["calls"] == "ok", r
     for key in APART:
         assert r[key] == "ok", (key, r[key])

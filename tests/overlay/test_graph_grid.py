@@ -21,7 +21,7 @@ import pytest
 from dspark import config as C
 from dspark import graph_dispatch as G
 
-from .conftest import LINE_029, run_checks
+from .conftest import LINE_032, run_checks
 
 CHECKS = Path(__file__).with_name("graph_grid_checks.py")
 TOOL = Path(__file__).resolve().parents[2] / "benchmarks" / "graph_coverage.py"
@@ -37,7 +37,7 @@ def _tool():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-LINES = {"v0.28.0": "0.28.0", LINE_029: "0.29.0"}
+LINES = {"v0.28.0": "0.28.0", LINE_032: "0.29.0"}
 
 
 def dspark_sizes(s: int, k: int, **more) -> list[int]:
@@ -69,8 +69,8 @@ def cases() -> list[dict]:
 @pytest.fixture(scope="module", params=list(LINES))
 def grid(request, tmp_path_factory) -> tuple[str, list[dict], list[dict]]:
     line = request.param
-    if line == LINE_029:
-        site, python = request.getfixturevalue("patched_site_029"), request.getfixturevalue("python_029")
+    if line == LINE_032:
+        site, python = request.getfixturevalue("patched_site_032"), request.getfixturevalue("python_032")
     else:
         import sys
 

@@ -46,5 +46,5 @@ def test_stock_vllm_spins_one_second_whatever_the_variable_says(stock_site):
     assert all("error" not in r[f"{ENV}={bad}"] and r[f"{ENV}={bad}"]["busy_loop_s"] == 1 for bad in ("-1", "2ms")), r
 
 
-def test_the_v029_line_reads_the_variable_too(patched_site_029, python_029):
-    check_patched(spin_results(patched_site_029, python=python_029))
+def test_the_v032_line_reads_the_variable_too(patched_site_032, python_032):
+    check_patched(spin_results(patched_site_032, python=python_032))

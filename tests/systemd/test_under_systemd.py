@@ -37,13 +37,13 @@ COLLECTIVE_S = 5.0  # the stand-in head's engine stalls once a worker's vLLM is 
                    # a loaded host's scheduling gaps stay far below it)
 STALL_S = 10.0     # the cluster file's supervisor.stall_s here (the local appliance's is 30 s)
 TOKEN_S = 0.02     # the stand-in's seconds per token: a 2000-token request runs 40 s
-A, B = "v0.28.0", "v0.29.0"  # the default line (the stand-in) and a line whose install is broken
+A, B = "v0.28.0", "v0.32.0"  # the default line (the stand-in) and a line whose install is broken
 STATE_DIR = "/var/lib/dspark/head"  # the head unit's StateDirectory: dspark switch's default
 SWITCH_WAIT_S = 120  # dspark switch --timeout: each wait for the pair to serve (the new line, the way back);
                      # a stand-in pair serves again within seconds (4 s in a run here)
 BROKEN = "/opt/dspark/standin/broken-vllm"
 BROKEN_SCRIPT = """#!/bin/sh
-# Runtime line v0.29.0 as the rollback test sees it: an install whose vLLM cannot even import.
+# Runtime line v0.32.0 as the rollback test sees it: an install whose vLLM cannot even import.
 echo "ImportError: vllm is broken in this install (a test of dspark switch)" >&2
 exit 1
 """

