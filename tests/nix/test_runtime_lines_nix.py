@@ -76,7 +76,7 @@ def test_lines_nix_is_the_data_every_locked_line_with_its_lock_and_series(nix_in
     for line_id, nix_line in out["lines"].items():
         line = LINES.get(line_id)
         assert nix_line["id"] == line_id and nix_line["vllm"] == line.vllm
-        # A flake attribute name usable unquoted on the command line: `nix build .#runtime-v0_29_0`.
+        # A flake attribute name usable unquoted on the command line: `nix build .#runtime-v0_32_0`.
         assert nix_line["attr"] == "runtime-" + line_id.replace(".", "_")
         assert re.fullmatch(r"runtime-[A-Za-z0-9_'-]+", nix_line["attr"])
         # Paths reach the store with the repository file's content.

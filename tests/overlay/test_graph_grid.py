@@ -37,7 +37,7 @@ def _tool():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-LINES = {"v0.28.0": "0.28.0", LINE_032: "0.29.0"}
+LINES = {"v0.28.0": "0.28.0", LINE_032: "0.32.0"}
 
 
 def dspark_sizes(s: int, k: int, **more) -> list[int]:
