@@ -8,11 +8,15 @@ FULL_AND_PIECEWISE) of s tokens. A uniform batch of n requests (n * q tokens) re
 
 - vLLM 0.28.0: the graphs at the smallest captured token count >= n * q of either kind, the
   FULL one first; when that count has only a PIECEWISE graph the batch runs PIECEWISE;
-- vLLM 0.29.0: the FULL graph at the smallest FULL count >= n * q, else the PIECEWISE one.
+- vLLM 0.29.0 and 0.32.0: the FULL graph at the smallest FULL count >= n * q, else the
+  PIECEWISE one (0.32.0: ``CudaGraphManager._init_candidates`` gives each token count the FULL
+  descriptors of the smallest FULL count above it, then the PIECEWISE ones, and ``dispatch``
+  takes the first compatible one).
 
 The target verifies k + 1 tokens per request (FULL_AND_PIECEWISE); DSpark's draft runs
 ``num_speculative_tokens`` query tokens per request (``DSparkSpeculator``: sample_from_anchor,
-the checkpoint's default) in FULL_DECODE_ONLY graphs (``DFlashSpeculator.init_cudagraph_manager``).
+the checkpoint's default) in FULL_DECODE_ONLY graphs (``DFlashSpeculator.init_cudagraph_manager``,
+on 0.32.0 through its ``DFlashCudaGraphManager``, which keeps the base class's dispatch).
 tests/overlay/test_graph_grid.py proves this model against both lines' own managers.
 """
 
@@ -23,7 +27,8 @@ from dataclasses import dataclass
 
 FULL, PIECEWISE, NONE = "FULL", "PIECEWISE", "NONE"
 # vLLM releases whose dispatch takes the smallest captured count of either kind (0.28.0), the
-# others pick FULL first at the smallest FULL count (0.29.0's per-mode candidate ranges).
+# others pick FULL first at the smallest FULL count (0.29.0's and 0.32.0's per-mode candidate
+# ranges: v1/worker/gpu/cudagraph_utils.py CudaGraphManager._init_candidates).
 SMALLEST_COUNT_FIRST = frozenset({"0.28.0"})
 # vLLM's largest default capture size off SM100 (VllmConfig._set_cudagraph_sizes).
 DEFAULT_MAX_GRAPH_SIZE = 512
@@ -73,7 +78,11 @@ def vllm_sizes(sizes: list[int] | None, largest: int | None, *, max_num_seqs: in
     """The sizes vLLM captures from --cudagraph-capture-sizes / --max-cudagraph-capture-size
     (VllmConfig._set_cudagraph_sizes): an explicit list deduplicated, sorted, without sizes above
     max_num_batched_tokens; without one, vLLM's own list (1, 2, 4, then every 8) up to the
-    largest size, modelled for one token a request only (0.29.0 adds decode sizes above that)."""
+    largest size, modelled for one token a request only (0.29.0 adds decode sizes above that).
+    With no largest size either (dspark always gives one) the default largest is vLLM's for one
+    token a request; not modelled: vLLM's own for k + 1 tokens (2 x max_num_seqs x (k + 1)), and
+    0.32.0's uniform decode sizes appended to its default list (whole requests' tokens; with one
+    token a request, max_num_seqs: VllmConfig._set_cudagraph_sizes)."""
     if sizes is not None:
         return sorted({s for s in sizes if s <= max_num_batched_tokens})
     top = min(largest if largest is not None else min(max_num_seqs * 2, DEFAULT_MAX_GRAPH_SIZE),

@@ -1,14 +1,16 @@
 """Which decode batches replay a CUDA graph, through vLLM's own graph managers.
 
-Run in a subprocess whose PYTHONPATH puts a (patched or stock) vLLM 0.28.0 tree
-first: ``python graph_dispatch_checks.py SITE``. Prints one JSON object after
+Run in a subprocess whose PYTHONPATH puts a (patched or stock) vLLM 0.28.0 or
+0.32.0 tree first, in that tree's own Python: ``python graph_dispatch_checks.py
+SITE``. Prints one JSON object after
 ``@@RESULTS@@``: for the target model and for DSpark's draft, each batch size
 1..max_num_seqs -> the CUDA-graph mode vLLM's dispatcher picks ("FULL",
 "PIECEWISE", "NONE").
 
 Nothing is faked between the config and the dispatcher: a real VllmConfig of
 the appliance's shape (DSpark k=5, 12 sequences, vLLM's default capture
-sizes) with the SM12x capability family simulated; the draft's graph manager is
+sizes) with the SM12x capability family simulated (and, on 0.32.0, Model Runner
+V2 chosen as on the nodes: ``_model_runner_v2``); the draft's graph manager is
 built by ``DSparkSpeculator.init_cudagraph_manager`` itself (whatever the
 overlay does there runs), the target's by ``ModelCudaGraphManager``; both
 dispatch through ``dispatch_cg_and_sync_dp`` with the arguments their callers
@@ -38,6 +40,26 @@ def _simulate_sm12x() -> None:
     # The managers take a handle on the platform's graph memory pool (a CUDA
     # object); nothing is captured here, so any token stands in for it.
     type(current_platform).graph_pool_handle = staticmethod(lambda: object())
+    _model_runner_v2()
+
+
+def _model_runner_v2() -> None:
+    """Model Runner V2 on vLLM 0.32.0, as the GB10 nodes run it. 0.32.0 decides the runner in
+    VllmConfig.use_v2_model_runner (vllm/config/vllm.py): VLLM_USE_V2_MODEL_RUNNER, else V1
+    where Triton is missing (HAS_TRITON), and _validate_v2_model_runner refuses V2 without
+    Triton. The CPU build's Triton has no CPU backend, the nodes' has: the variable is set and
+    the config module is told Triton is there. Before 0.32.0 nothing is changed (these checks
+    ran the 0.28.0 line as they always have)."""
+    import os
+
+    import vllm
+    import vllm.config.vllm as config_module
+
+    release = tuple(int(x) for x in vllm.__version__.split("+")[0].split(".")[:2])
+    if release < (0, 32):
+        return
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    config_module.HAS_TRITON = True
 
 
 def _config():

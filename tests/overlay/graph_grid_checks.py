@@ -1,20 +1,28 @@
 """How every uniform decode batch dispatches, through vLLM's own graph managers, for many settings.
 
-Run in a subprocess whose PYTHONPATH puts a (patched) vLLM tree first, in that tree's own
-Python: ``python graph_grid_checks.py SITE CASES_JSON``. CASES_JSON is a list of settings
-``{"S": max_num_seqs, "k": speculative tokens, "sizes": --cudagraph-capture-sizes or null,
+Run in a subprocess whose PYTHONPATH puts a (patched) vLLM tree first (0.28.0 or 0.32.0), in
+that tree's own Python: ``python graph_grid_checks.py SITE CASES_JSON``. CASES_JSON is a list
+of settings ``{"S": max_num_seqs, "k": speculative tokens, "sizes": --cudagraph-capture-sizes or null,
 "max": --max-cudagraph-capture-size or null, "mnbt": max_num_batched_tokens}``. Prints
 ``@@RESULTS@@`` and, per case, vLLM's final capture sizes and, for 1..S requests, the target's
 verify batch (k + 1 tokens a request) and DSpark's draft batch (the speculator's own query
 length) as ``[mode, padded tokens]``.
 
-One real VllmConfig (SM12x simulated, FULL_AND_PIECEWISE, a DSpark speculative config) serves
+One real VllmConfig (SM12x simulated, with Model Runner V2 on 0.32.0 as on the nodes:
+graph_dispatch_checks._model_runner_v2; FULL_AND_PIECEWISE, a DSpark speculative config) serves
 every case: per case its scheduler's max_num_seqs is set, vLLM's own
 ``VllmConfig._set_cudagraph_sizes`` sizes a fresh ``CompilationConfig`` from the flags, the
 target's ``CudaGraphManager`` is built as the model runner builds it and the draft's by
 ``DSparkSpeculator.init_cudagraph_manager``, and each batch goes through
 ``dispatch_cg_and_sync_dp`` with the arguments its caller passes. Capture needs a GPU, so the
 managers are marked captured once ``_init_candidates`` has chosen what they would capture.
+
+The target is FULL_AND_PIECEWISE on both lines. vLLM 0.32.0's runner keeps PIECEWISE only where
+it can capture it (v1/worker/gpu/model_runner.py: piecewise_capture_available, a torch-compiled
+submodule or VLLM_USE_BREAKABLE_CUDAGRAPH; else CompilationConfig.resolve_cudagraph_mode_and_sizes
+gives FULL_DECODE_ONLY): its FULL candidates are kept apart from the PIECEWISE ones
+(CudaGraphManager._init_candidates), so every FULL outcome is the same either way, and a batch
+reported PIECEWISE here runs eagerly there.
 """
 
 from __future__ import annotations
@@ -58,10 +66,15 @@ def _sized(vc, case):
     spec = SimpleNamespace(num_speculative_tokens=k, method="dspark",
                            uses_dynamic_speculative_decoding=lambda: False,
                            num_speculative_tokens_per_batch_size=None)
-    cc = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-                           cudagraph_capture_sizes=case["sizes"],
-                           max_cudagraph_capture_size=case["max"])
-    # The fields _set_cudagraph_sizes reads (0.28.0 and 0.29.0); a whole model config is not
+    # A flag left out (null) stays unset, as the command line leaves it: CompilationConfig
+    # refuses an explicit None for the capture list (0.28.0 and 0.32.0).
+    flags = {name: case[key] for name, key in (("cudagraph_capture_sizes", "sizes"),
+                                               ("max_cudagraph_capture_size", "max"))
+             if case[key] is not None}
+    cc = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, **flags)
+    # The fields _set_cudagraph_sizes reads (0.28.0, 0.29.0 and 0.32.0, whose default list adds
+    # uniform decode sizes from uniform_decode_query_len, max_num_seqs and the speculative
+    # config: vllm/config/vllm.py VllmConfig._set_cudagraph_sizes); a whole model config is not
     # needed for them.
     host = SimpleNamespace(
         model_config=SimpleNamespace(enforce_eager=False), compilation_config=cc,

@@ -2,8 +2,11 @@
 against what FlashInfer's SM120 sparse-MLA path dispatches.
 
 Run in a subprocess whose PYTHONPATH puts a (patched or stock) vLLM 0.28.0
-tree first: ``python kv_layout_checks.py SITE [DTYPE,...]``. It prints one JSON object,
-case name -> "ok" or the failure's text.
+tree first (or a runtime line's: 0.29.0, 0.32.0, in that line's Python):
+``python kv_layout_checks.py SITE [DTYPE,...] [MAX_MODEL_LEN,...]``. It prints one JSON
+object, case name -> "ok" or the failure's text. FlashInfer's facts are those of the
+flashinfer-python the tree's runtime line pins (_load_flashinfer: 0.6.18 for 0.28.0,
+0.7.0.post1 for 0.32.0), or of the sources $DSPARK_FLASHINFER_SRC names.
 
 For each max_model_len (4,096, 131,072, 350,000, 1,048,576) it builds a real
 VllmConfig from tests/fixtures/deepseek-v4-flash-config.json (TP=2's 32 query
@@ -47,6 +50,135 @@ MAX_BATCHED = 8192
 BLOCK_SIZE = 256
 NUM_SPEC = 5  # DSpark k=5 (the template)
 NUM_BLOCKS = 6  # small on purpose: the layout, not the capacity, is checked
+# A flashinfer package directory (unpacked sources) that replaces the one pinned for the tree's line.
+FLASHINFER_SRC_ENV = "DSPARK_FLASHINFER_SRC"
+
+
+# --------------------------------------------------------------------------
+# The FlashInfer the checks hold the tree to: the one its runtime line pins
+# --------------------------------------------------------------------------
+
+
+def _load_flashinfer():
+    """The SM120 dispatch of the FlashInfer pinned for the vLLM under test: the runtime line of
+    src/dspark/data/runtime_lines.toml whose `vllm` is the tree's release names a lock, whose
+    flashinfer-python is read from .venv/pinned/flashinfer-python-VERSION/flashinfer (where
+    .ci/setup unpacks the default line's), or from the directory $DSPARK_FLASHINFER_SRC names.
+    The default line (vLLM 0.28.0, FlashInfer 0.6.18) and a release no line names read
+    flashinfer_facts' own pinned copy, as before."""
+    import tomllib
+
+    import vllm
+
+    root = os.environ.get(FLASHINFER_SRC_ENV)
+    if root is None:
+        repo = HERE.parents[1]
+        lines = tomllib.loads((repo / "src" / "dspark" / "data" / "runtime_lines.toml").read_text())
+        release = vllm.__version__.split("+")[0]
+        line = next((line for line in lines["lines"].values() if line["vllm"] == release), None)
+        if line is None:
+            return flashinfer_facts.load()
+        lock = json.loads((repo / line["lock"]).read_text())
+        version = next(p["version"] for p in lock["packages"] if p["name"] == "flashinfer-python")
+        root = repo / ".venv" / "pinned" / f"flashinfer-python-{version}" / "flashinfer"
+        if root == flashinfer_facts.pinned_dir():
+            return flashinfer_facts.load()
+        if not root.is_dir():
+            raise FileNotFoundError(
+                f"{root} is missing: unpack flashinfer-python {version} ({line['lock']}) there "
+                f"or name its flashinfer/ directory in ${FLASHINFER_SRC_ENV}")
+    root = Path(root)
+    if (root / "mla" / "_sparse_mla_sm120_plan.py").is_file():
+        return PlannedSm120(root)
+    return flashinfer_facts.load(root)
+
+
+class PlannedSm120:
+    """FlashInfer 0.7's SM120 sparse-MLA dispatch (0.7.0.post1 is vLLM 0.32.0's line's pin), which
+    flashinfer_facts.load (0.6.x: a (heads, top-k) table in mla/_sparse_mla_sm120.py) cannot read:
+    0.7 moved the dispatch into mla/_sparse_mla_sm120_plan.py, "the single dispatch authority",
+    whose envelopes are plain Python. Its constants, the decode envelope class and the envelope
+    functions are run from the pinned source itself (nothing of FlashInfer is imported: the
+    module needs a GPU); the C++ prefill dispatcher's extra-page sizes and the DSv4 page layout
+    are read as flashinfer_facts reads them. The attributes are those of
+    flashinfer_facts.SparseMlaSm120 that the checks use."""
+
+    ENVELOPE = ("_DecodeDispatchEnvelope", "KernelVariant", "_prefill_topk_ok",
+                "decode_splitk_eligible", "prefill_swapab_eligible", "prefill_sg_eligible",
+                "prefill_mg_eligible", "prefill_mg_dual_eligible", "_check_swapab_eligible",
+                "prefill_variant")
+
+    def __init__(self, root: Path):
+        import __future__
+        import ast
+        import enum
+        import typing
+
+        path = root / "mla" / "_sparse_mla_sm120_plan.py"
+        tree = ast.parse(path.read_text())
+        ns: dict = {"enum": enum, "Optional": typing.Optional}
+        for node in tree.body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in self.ENVELOPE:
+                pass
+            elif not (isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets)):
+                continue
+            code = compile(ast.Module([node], []), str(path), "exec",
+                           flags=__future__.annotations.compiler_flag, dont_inherit=True)
+            try:
+                exec(code, ns)  # noqa: S102 - the pinned FlashInfer's own envelope code
+            except NameError:  # an assignment from the module's imports (logger, the memo caches)
+                continue
+        missing = [n for n in (*self.ENVELOPE, "_DECODE_DSV4_DISPATCH", "_DECODE_MAX_TOKENS",
+                               "_PAGE_BLOCK_SIZE", "_BPT_DSV4", "_MODEL_TYPE_DSV4",
+                               "_PREFILL_IMPL_AUTO") if n not in ns]
+        if missing:
+            raise AssertionError(f"{path}: no {missing}")
+        self.ns = ns
+        self.version = str(root)
+        self.decode_max_tokens = int(ns["_DECODE_MAX_TOKENS"])
+        self.decode_dispatch = ns["_DECODE_DSV4_DISPATCH"]  # what vLLM probes (utils/flashinfer.py)
+        self.decode_page_tokens = int(ns["_PAGE_BLOCK_SIZE"])
+        self.bytes_per_token = int(ns["_BPT_DSV4"])
+        prefill = (root / "data" / "csrc" / "sparse_mla_sm120_prefill.cu").read_text()
+        dual = flashinfer_facts._function_body(prefill, "dispatch_dsv4_dual")
+        self.prefill_dual_extra_page_tokens = flashinfer_facts._ints(
+            r"extra_page_block_size == (\d+)", dual, "dual extra page size")
+        kernel = (root / "data" / "include" / "flashinfer" / "attention" / "sparse_mla_sm120"
+                  / "decode_dsv4_kernel.cuh").read_text()
+        if "(size_t)section_pbs * IO_STRIDE" not in kernel:
+            raise AssertionError("FlashInfer's DSv4 page layout (data, then scales) moved")
+        traits = (root / "data" / "include" / "flashinfer" / "attention" / "sparse_mla_sm120"
+                  / "model" / "kv_cache_traits.cuh").read_text()
+        dsv4 = traits[traits.index("struct KVCacheTraits<ModelType::DSV4>"):]
+        d_nope, d_rope, scale_bytes = (
+            flashinfer_facts._ints(rf"int {name} = (\d+);", dsv4, f"DSV4 {name}")[0]
+            for name in ("D_NOPE", "D_ROPE", "SCALE_BYTES_PER_TOKEN"))
+        if d_nope + 2 * d_rope + scale_bytes != self.bytes_per_token:
+            raise AssertionError("FlashInfer's DSv4 token envelope changed")
+        self.io_stride = d_nope + 2 * d_rope
+        self.decode_signature = flashinfer_facts.signature_from_source(
+            root / "mla" / "_core.py", "trtllm_batch_decode_sparse_mla_dsv4")
+
+    def refusal(self, *, tokens: int, heads: int, topk: int, page_tokens: int,
+                extra_topk: int | None, extra_page_tokens: int | None) -> str | None:
+        """Why FlashInfer would refuse this call, or None. Its planner (plan/_decide) takes the
+        decode kernel for a decode-eligible call and the prefill variant otherwise; with a
+        calibrated crossover a decode-eligible call that has a prefill variant may take the
+        prefill too, which the C++ dispatcher then re-checks (dual-cache extra pages)."""
+        ns = self.ns
+        where = (f"tokens={tokens} heads={heads} topk={topk} pages={page_tokens} "
+                 f"extra_topk={extra_topk} extra_pages={extra_page_tokens}")
+        mt, has_extra = ns["_MODEL_TYPE_DSV4"], extra_topk is not None
+        decode = ns["decode_splitk_eligible"](mt, heads, topk, page_tokens, has_extra, tokens)
+        variant = ns["prefill_variant"](mt, heads, topk, page_tokens, has_extra,
+                                        ns["_PREFILL_IMPL_AUTO"])
+        if not decode and variant is None:
+            return f"no SM120 decode or prefill kernel serves it: {where}"
+        if (variant is not None and has_extra
+                and extra_page_tokens not in self.prefill_dual_extra_page_tokens):
+            return (f"dual-cache prefill extra pages not in {self.prefill_dual_extra_page_tokens}"
+                    f"{' (a calibrated crossover may route it there)' if decode else ''}: {where}")
+        return None
 
 
 def _simulate_sm12x() -> None:
@@ -56,6 +188,17 @@ def _simulate_sm12x() -> None:
     cls = type(current_platform)
     cls.is_device_capability_family = staticmethod(lambda family: family == 120)
     cls.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(12, 1))
+
+
+def _gb10_runs_v2_model_runner() -> bool:
+    """vLLM 0.32.0 runs Model Runner V2 on GB10 (config/vllm.py VllmConfig.use_v2_model_runner:
+    the default wherever Triton is; this CPU build falls back to V1 only for want of it), and
+    its builders' decode threshold follows the runner (v1/attention/backend.py
+    max_decode_query_len: 1 + k on V2, 1 + 2k on V1 with parallel drafting). vLLM 0.28.0 and
+    0.29.0 have no such rule: their runs are left as they are."""
+    from vllm.v1.attention import backend
+
+    return hasattr(backend, "max_decode_query_len")
 
 
 def _config(model_dir: str, cache_dtype: str, max_model_len: int):
@@ -73,7 +216,13 @@ def _config(model_dir: str, cache_dtype: str, max_model_len: int):
                         num_gpu_blocks_override=NUM_BLOCKS)
     sched = SchedulerConfig(max_num_batched_tokens=MAX_BATCHED, max_num_seqs=MAX_NUM_SEQS,
                             max_model_len=max_model_len, is_encoder_decoder=False)
+    v2 = _gb10_runs_v2_model_runner()
+    if v2:  # VllmConfig.__post_init__ refuses V2 without Triton (_validate_v2_model_runner)
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     vc = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
+    if v2:  # then V2 as on GB10: use_v2_model_runner reads the variable at each call
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        assert vc.use_v2_model_runner, "Model Runner V2 is not in effect"
     # The CPU platform rewrites the block size for its own kernels; on the GB10
     # nodes --block-size 256 stands (the DSv4 backends take only 256).
     vc.cache_config.block_size = BLOCK_SIZE
@@ -190,7 +339,15 @@ class Layers:
             groups, _, kernel_block_sizes = attn_utils.init_attn_backend(
                 config, vc, torch.device("cpu"))
             ctx = vc.compilation_config.static_forward_context
-            if "attn_groups" in inspect.signature(attn_utils.init_kv_cache).parameters:  # 0.28.0
+            params = list(inspect.signature(attn_utils.init_kv_cache).parameters)
+            if params[0] == "forward_context":
+                # 0.32.0 (v1/worker/gpu/attn_utils.py init_kv_cache, as GPUModelRunner.
+                # initialize_kv_cache calls it): no runner list; the attention groups come
+                # by keyword so their builders' kernel-block views are mapped.
+                caches = attn_utils.init_kv_cache(
+                    ctx, config, torch.device("cpu"), kernel_block_sizes, vc,
+                    attn_groups=[g for gs in groups for g in gs])
+            elif "attn_groups" in params:  # 0.28.0
                 caches = attn_utils.init_kv_cache(
                     [], ctx, config, groups, torch.device("cpu"), vc.cache_config.cache_dtype,
                     kernel_block_sizes, vc)
@@ -526,6 +683,22 @@ def _stand_in_metadata_kernels() -> None:
             if hasattr(module, name):
                 setattr(module, name, _NoGrid())
     sparse_swa._COMPUTE_PREFILL_METADATA_KERNEL = _no_launch
+    # vLLM 0.32.0 launches every one of these through a module-level kernel object (jit_warmup's
+    # kernel_launcher): sparse_swa.py, sparse_mla.py and compressor_utils.py call the objects.
+    for module, names in ((sparse_swa, ("_COMPUTE_SWA_INDICES_AND_LENS_KERNEL",
+                                        "_COMPUTE_DSPARK_NONCAUSAL_SWA_INDICES_KERNEL")),
+                          (sparse_mla, ("_BUILD_C128A_TOPK_METADATA_KERNEL",)),
+                          (compressor_utils, ("_COMPRESSED_SLOT_MAPPING_KERNEL",))):
+        for name in names:
+            if hasattr(module, name):
+                setattr(module, name, _no_launch)
+    try:  # vLLM 0.32.0: CommonAttentionMetadata.token_to_req_indices (v1/attention/backend.py)
+        # maps tokens to requests with a Triton kernel (v1/attention/ops/metadata.py).
+        from vllm.v1.attention.ops import metadata as metadata_ops
+    except ImportError:
+        pass
+    else:
+        metadata_ops._token_request_mapping_kernel = _NoGrid()
     # vLLM 0.29.0's C128A builder sizes its window with triton.next_power_of_2, a host-side
     # helper the CPU build's Triton placeholder lacks: vLLM's own, the same rounding.
     if not hasattr(sparse_mla.triton, "next_power_of_2"):
@@ -791,7 +964,7 @@ def main() -> None:
     # sys.argv[1], the tree's site-packages, names the run: the tree is imported through PYTHONPATH.
     cache_dtypes = (sys.argv[2] if len(sys.argv) > 2 else "nvfp4_ds_mla").split(",")
     lengths = tuple(int(n) for n in sys.argv[3].split(",")) if len(sys.argv) > 3 else MAX_MODEL_LENS
-    fi = flashinfer_facts.load()
+    fi = _load_flashinfer()
     _simulate_sm12x()
     results: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,7 +6,9 @@ Prints one JSON object after @@RESULTS@@: for each value of VLLM_SHM_BROADCAST_B
 ``MessageQueue.create_from_handle`` in a process of its own (spawned, as vLLM's workers are)
 reports: its SpinCondition's ``busy_loop_s``, and the CPU seconds it used while it waited
 ``WAIT_S`` for the writer's next message (busy-looping for ``busy_loop_s``, then parked on the
-writer's notify socket); or the error its construction raised.
+writer's notify socket); or the error its construction raised. Also whether vllm.envs registers
+the variable. The same on vLLM 0.28.0 and 0.32.0 (shm_broadcast.MessageQueue and its
+SpinCondition are where 0013 left them).
 """
 
 from __future__ import annotations
@@ -79,8 +81,13 @@ def main() -> None:
         import vllm.envs as envs
 
         results["compile_factors ignore it"] = json.dumps(ENV not in envs.compile_factors())
+        # Registered: vLLM's strict check of VLLM_* names takes the name (envs.validate_environ
+        # on 0.28.0; on 0.32.0 vllm/platforms/interface.py Platform.validate_environ, which
+        # EngineArgs.create_engine_config calls): both look it up in envs.environment_variables.
+        results["registered in vllm.envs"] = json.dumps(ENV in envs.environment_variables)
     except Exception:
-        results["compile_factors ignore it"] = traceback.format_exc()
+        results.setdefault("compile_factors ignore it", traceback.format_exc())
+        results.setdefault("registered in vllm.envs", json.dumps(traceback.format_exc()))
     print("@@RESULTS@@" + json.dumps(results))
 
 

@@ -219,93 +219,121 @@ def test_the_032_checks_fail_on_the_stock_032_tree(stock_site_032, python_032):
 # ------------------------------------------------------------------------------ the KV layout and rows
 
 # The template's length and the longest (C128A indices 8,192 wide); kv_layout_checks.py's four
-# lengths run on the v0.28.0 line (test_kv_layout.py). Each costs about half a minute here.
-LENS_029 = (350000, 1048576)
+# lengths run on the v0.28.0 line (test_kv_layout.py). On this line the seed's nvfp4_ds_mla is
+# sent as fp8_ds_mla (vLLM 0.32.0's own nvfp4_ds_mla is another format), so that is what runs.
+# kv_layout_checks.py models Model Runner V2 (what vLLM 0.32.0 runs on CUDA) and reads
+# FlashInfer 0.7.0.post1's dispatch, the line's pin (.ci/setup unpacks it).
+LENS_032 = (350000, 1048576)
 ASPECTS = ("pages_and_strides", "group_pages_disjoint", "index widths", "start-up check")
-DTYPES = ("nvfp4_ds_mla", "fp8_ds_mla")
+DTYPE = "fp8_ds_mla"
 
 
-def run_layout_checks_029(site: Path, python, dtypes: tuple[str, ...], lens=LENS_029) -> dict[str, str]:
-    return run_checks(site, KV_CHECKS, ",".join(dtypes), ",".join(map(str, lens)),
+def run_layout_checks_032(site: Path, python, lens=LENS_032) -> dict[str, str]:
+    return run_checks(site, KV_CHECKS, DTYPE, ",".join(map(str, lens)),
                       env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}, timeout=900, python=python)
 
 
 @pytest.fixture(scope="session")
-def layout_029(patched_site_032, python_032) -> dict[str, str]:
-    return run_layout_checks_029(patched_site_032, python_032, DTYPES)
+def layout_032(patched_site_032, python_032) -> dict[str, str]:
+    return run_layout_checks_032(patched_site_032, python_032)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("max_len", LENS_029)
+@pytest.mark.parametrize("max_len", LENS_032)
 @pytest.mark.parametrize("aspect", ASPECTS)
-def test_dsv4_layout_through_vllm_029(layout_029, dtype, max_len, aspect):
-    """vLLM 0.29.0's own specs, grouping, packed planning, layout resolution and allocation: every
-    page FlashInfer reads holds 64 (SWA, C4A) or 2 (C128A) tokens of 584 bytes, 16-byte aligned,
-    pages of a group disjoint; every FlashInfer call dispatches on 0.6.18's tables."""
-    key = f"{dtype} max_model_len={max_len}"
-    assert f"{key}: layout" not in layout_029, layout_029[f"{key}: layout"]
-    assert layout_029[f"{key}: {aspect}"] == "ok", layout_029[f"{key}: {aspect}"]
+def test_dsv4_layout_through_vllm_032(layout_032, max_len, aspect):
+    """vLLM 0.32.0's own specs, grouping, packed planning, layout resolution and allocation for
+    fp8_ds_mla: every page FlashInfer reads holds 64 (SWA, C4A) or 2 (C128A) tokens of 584 bytes in
+    pages padded to 576-byte multiples, 16-byte aligned, pages of a group disjoint; every FlashInfer
+    call dispatches on 0.7.0.post1's planner."""
+    key = f"{DTYPE} max_model_len={max_len}"
+    assert f"{key}: layout" not in layout_032, layout_032[f"{key}: layout"]
+    assert layout_032[f"{key}: {aspect}"] == "ok", layout_032[f"{key}: {aspect}"]
 
 
-def test_every_layer_of_the_model_is_built_on_029(layout_029):
-    layers = json.loads(layout_029["nvfp4_ds_mla max_model_len=350000: layers"])
+def test_every_layer_of_the_model_is_built_on_032(layout_032):
+    layers = json.loads(layout_032[f"{DTYPE} max_model_len=350000: layers"])
     assert layers == {"attention": 46, "swa caches": 46, "draft": 3, "use_eagle": True}, layers
 
 
-def test_the_snap_is_per_request_query_length_on_029(layout_029):
+def test_the_snap_is_per_request_query_length_on_032(layout_032):
     """The same rows as on the v0.28.0 line (test_kv_layout.py): the SM120 class's own
-    _forward_decode / _forward_prefill on vLLM 0.29.0 launch FlashInfer with each request's query
+    _forward_decode / _forward_prefill on vLLM 0.32.0 launch FlashInfer with each request's query
     length snapped (2 -> 6, 5 -> 6, 7 -> 8), the target's 6-row verify untouched."""
-    rows = json.loads(layout_029["nvfp4_ds_mla max_model_len=350000: rows seen"])
-    assert rows["prefill 2 tokens"] == [6]
-    assert rows["decode 1 seq, DSpark draft (5 rows)"] == [6]
-    assert rows["decode 1 seq, no speculation (1 row)"] == [1]
-    assert rows["decode 1 seq, target verify (6 rows)"] == [6]
-    assert rows["decode 2 seqs, target verify (12 rows)"] == [12]
-    assert rows["decode 10 seqs, target verify (60 rows)"] == [60]
-    assert rows["decode 2 seqs, DSpark draft (10 rows)"] == [12]
-    assert rows["decode 5 seqs, DSpark draft (25 rows)"] == [30]
-    assert rows["decode 12 seqs, DSpark draft (60 rows)"] == [72]
-    assert rows["prefill 2 + 3 tokens (two requests, one chunk)"] == [12]
-    assert rows["prefill 7 + 100 tokens (two requests, one chunk)"] == [108]
-    assert rows["prefill 100 tokens"] == [100]
+    for max_len in LENS_032:
+        rows = json.loads(layout_032[f"{DTYPE} max_model_len={max_len}: rows seen"])
+        assert rows["prefill 2 tokens"] == [6]
+        assert rows["decode 1 seq, DSpark draft (5 rows)"] == [6]
+        assert rows["decode 1 seq, no speculation (1 row)"] == [1]
+        assert rows["decode 1 seq, target verify (6 rows)"] == [6]
+        assert rows["decode 2 seqs, target verify (12 rows)"] == [12]
+        assert rows["decode 10 seqs, target verify (60 rows)"] == [60]
+        assert rows["decode 2 seqs, DSpark draft (10 rows)"] == [12]
+        assert rows["decode 5 seqs, DSpark draft (25 rows)"] == [30]
+        assert rows["decode 12 seqs, DSpark draft (60 rows)"] == [72]
+        assert rows["prefill 2 + 3 tokens (two requests, one chunk)"] == [12]
+        assert rows["prefill 7 + 100 tokens (two requests, one chunk)"] == [108]
+        assert rows["prefill 100 tokens"] == [100]
 
 
-def test_the_dspark_width_and_the_c128a_widths_reach_flashinfer_unpadded_on_029(layout_029):
-    for max_len in LENS_029:
-        seen = json.loads(layout_029[f"nvfp4_ds_mla max_model_len={max_len}: widths seen"])
+def test_the_dspark_width_and_the_c128a_widths_reach_flashinfer_unpadded_on_032(layout_032):
+    for max_len in LENS_032:
+        seen = json.loads(layout_032[f"{DTYPE} max_model_len={max_len}: widths seen"])
         assert [True, 192, None] in seen and not any(w[1] == 512 for w in seen), seen
         c128a = -(-(-(-max_len // 128)) // 128) * 128
         assert c128a in {w[2] for w in seen if w[2] is not None}, (max_len, seen)
 
 
-def test_short_prompts_reach_flashinfer_as_prefills_on_029(layout_029):
-    """0011 (the v0.28.0 file) on vLLM 0.29.0: prompts of 1 to 12 tokens, alone and beside
-    running requests and a 1,000-token prompt, with DSpark (decode threshold 11) and without,
-    reach FlashInfer as prefills at the line's widths through 0.29.0's own builders and split,
-    the SWA and C128A splits agreeing; DSpark's draft step and a padded graph batch keep vLLM's
-    split (test_kv_layout.py states each expectation)."""
-    assert json.loads(layout_029["short prompts: decode thresholds"]) == {"DSpark k=5": 11, "no speculation": 1}
-    assert short_prompt_mismatches(layout_029) == []
-    splits = json.loads(layout_029["short prompts: splits"])
+def test_short_prompts_reach_flashinfer_as_prefills_on_032(layout_032):
+    """0011 (ported) on vLLM 0.32.0: prompts of 1 to 12 tokens, alone and beside running requests
+    and a 1,000-token prompt, with DSpark (decode threshold 1 + k = 6 on Model Runner V2) and
+    without, reach FlashInfer as prefills at the line's widths through 0.32.0's own builders and
+    split, the SWA and C128A splits agreeing; DSpark's draft step and a padded graph batch keep
+    vLLM's split (test_kv_layout.py states each expectation)."""
+    assert json.loads(layout_032["short prompts: decode thresholds"]) == {"DSpark k=5": 6, "no speculation": 1}
+    assert short_prompt_mismatches(layout_032) == []
+    splits = json.loads(layout_032["short prompts: splits"])
     assert all(split["c128a"] == split["swa"][2:] for prompts in splits.values()
                for mixes in prompts.values() for split in mixes.values()), splits
-    guards = json.loads(layout_029["short prompts: guards"])
+    guards = json.loads(layout_032["short prompts: guards"])
     assert all(g["split"]["swa"] == g["vllm's split"] for g in guards.values()), guards
+    short = short_prompt_table(layout_032)["DSpark k=5"]
+    assert short["4"]["+ 2 decodes + 1000-token prompt"] == [["prefill", 1006], ["decode", 12]], short["4"]
 
 
-def test_stock_029_launches_the_row_counts_the_line_saw_fault(stock_site_032, python_032):
-    """Stock vLLM 0.29.0 has no nvfp4_ds_mla and launches a 2-token prefill and DSpark's 5-row
-    draft block as they come: what the ported 0002 and 0003 change."""
-    results = run_layout_checks_029(stock_site_032, python_032, ("nvfp4_ds_mla", "fp8_ds_mla"), (350000,))
-    assert "nvfp4_ds_mla max_model_len=350000: layout" in results
-    assert results["fp8_ds_mla max_model_len=350000: index widths"] == "ok"
-    rows = json.loads(results["fp8_ds_mla max_model_len=350000: rows seen"])
+def test_stock_032_launches_the_row_counts_the_line_saw_fault(stock_site_032, python_032):
+    """Stock vLLM 0.32.0 launches a 2-token prefill, DSpark's 5-row draft block and a 4-token
+    prompt (a decode at threshold 6) as they come: what the ported 0003 and 0011 change."""
+    results = run_layout_checks_032(stock_site_032, python_032, (350000,))
+    assert results[f"{DTYPE} max_model_len=350000: index widths"] == "ok"
+    rows = json.loads(results[f"{DTYPE} max_model_len=350000: rows seen"])
     assert rows["prefill 2 tokens"] == [2], rows
     assert rows["decode 1 seq, DSpark draft (5 rows)"] == [5], rows
     assert rows["decode 2 seqs, DSpark draft (10 rows)"] == [10], rows
     short = short_prompt_table(results)["DSpark k=5"]
     assert short["4"]["+ 2 decodes + 1000-token prompt"] == [["prefill", 1000], ["decode", 16]], short["4"]
-    # Stock pads no prompt either: only prompts of 6 and 8 tokens without speculation
-    # (8 of the 96 steps) reach FlashInfer as the line ran them.
-    assert len(short_prompt_mismatches(results)) == 88
+    # Stock pads no prompt either: with the threshold at 6, 84 of the 96 steps reach FlashInfer
+    # otherwise than the line runs them.
+    assert len(short_prompt_mismatches(results)) == 84
+
+
+# ------------------------------------------------------------------------------ the seed's format as fp8_ds_mla
+
+FP8_CHECKS = Path(__file__).with_name("fp8_ds_mla_checks.py")
+FP8_NAMES = ("imports", "fp8_ds_mla_layout", "fp8_ds_mla_page_bytes")
+
+
+@pytest.fixture(scope="session")
+def fp8_032(patched_site_032, python_032) -> dict[str, str]:
+    return run_checks(patched_site_032, FP8_CHECKS, python=python_032)
+
+
+@pytest.mark.parametrize("name", FP8_NAMES)
+def test_the_seeds_format_is_upstreams_fp8_ds_mla_on_032(fp8_032, name):
+    """Why the line sends the seed's nvfp4_ds_mla as fp8_ds_mla (no 0002): vLLM 0.32.0's SM120
+    class resolves every fp8 spelling to fp8_ds_mla and refuses its own nvfp4_ds_mla; the compressed
+    and SWA caches are 584-byte tokens (448 B e4m3 NoPE, 128 B bf16 RoPE, then the 8-byte UE8M0
+    footers after the page's rows) in pages padded to 576-byte multiples (37,440 and 1,728 B),
+    bound with the padded page as the block stride FlashInfer reads; and the wheel's own CPU
+    writers put each byte there (fp8_ds_mla_checks.py)."""
+    assert sorted(fp8_032) == sorted(FP8_NAMES)
+    assert fp8_032[name] == "ok", fp8_032[name]

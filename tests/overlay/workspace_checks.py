@@ -1,7 +1,9 @@
 """Which FlashInfer workspace each call of DeepSeek V4's SM120 attention class receives.
 
-Run in a subprocess whose PYTHONPATH puts a vLLM tree first:
-``python workspace_checks.py SITE [DTYPE]``. Prints one JSON object after @@RESULTS@@.
+Run in a subprocess whose PYTHONPATH puts a vLLM tree first (0.28.0 or 0.32.0, in its own Python):
+``python workspace_checks.py SITE [DTYPE]``, DTYPE in the seed line's vocabulary (sent as the
+installed release's line names it: ``line_cache_dtype``). Prints one JSON object after
+@@RESULTS@@.
 
 vLLM's own code builds the layers, specs, packed KV caches and metadata builders as
 kv_layout_checks.py does (a real VllmConfig of DeepSeek V4 Flash at TP=2 with DSpark k=5,
@@ -64,12 +66,39 @@ def _held(flashinfer_sparse) -> dict[str, list[int]]:
             if name.endswith("workspace_by_device") and isinstance(value, dict)}
 
 
+def line_cache_dtype(seed_name: str) -> str:
+    """The cache dtype dspark sends the installed vLLM for the seed line's name: its runtime
+    line's vocabulary (dspark.runtime_lines.render_settings). On vLLM 0.32.0 the seed's
+    nvfp4_ds_mla (the 584-byte SM12x token of overlay 0002) is sent as fp8_ds_mla, which
+    DeepseekV4FlashInferSM120Attention takes on SM12x (use_fp8_ds_mla_layout, checked by
+    vllm/models/deepseek_v4/attention.py _resolve_dsv4_kv_cache_dtype); 0.32.0's own
+    nvfp4_ds_mla is another, SM100-only format that the class refuses. On 0.28.0 the name stays;
+    a release no line names keeps it too."""
+    import vllm
+
+    sys.path.insert(0, str(HERE.parents[1] / "src"))
+    from dspark import runtime_lines
+
+    release = vllm.__version__.split("+")[0]
+    line = next((x for x in runtime_lines.load().lines.values() if x.vllm == release), None)
+    if line is None:
+        return seed_name
+    return runtime_lines.render_settings(line, {"kv_cache_dtype": seed_name}).values["kv_cache_dtype"]
+
+
 def run(cache_dtype: str) -> dict[str, str]:
     import torch
     from vllm.models.deepseek_v4.nvidia import flashinfer_sparse
 
-    fi = flashinfer_facts.load()
+    from graph_dispatch_checks import _model_runner_v2
+
+    # The FlashInfer the tree's runtime line pins, as kv_layout_checks holds the tree to it
+    # (0.32.0: flashinfer-python 0.7.0.post1, whose SM120 dispatch flashinfer_facts alone cannot
+    # read); a kv_layout_checks without that choice reads flashinfer_facts' pin (0.28.0's).
+    fi = getattr(K, "_load_flashinfer", flashinfer_facts.load)()
     K._simulate_sm12x()
+    _model_runner_v2()  # 0.32.0: the runner the nodes use (vllm/config/vllm.py use_v2_model_runner)
+    cache_dtype = line_cache_dtype(cache_dtype)
     recorder = WorkspaceRecorder(fi)
     torch.cuda.is_current_stream_capturing = lambda: recorder.captured
     flashinfer_sparse.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 = recorder
@@ -84,7 +113,7 @@ def run(cache_dtype: str) -> dict[str, str]:
                 recorder.phase = ""
         setattr(A, name, phased)
 
-    results: dict[str, str] = {}
+    results: dict[str, str] = {"cache dtype": cache_dtype}
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text(K.FIXTURE.read_text())
         layers = K.Layers(K._config(tmp, cache_dtype, MAX_MODEL_LEN)).plan()
