@@ -125,3 +125,28 @@ def test_dspark_switch_to_a_line_that_cannot_start_rolls_the_pair_back_to_the_ol
     assert 0 < rec["down_s"]
     assert [(st["state"], st["runtime_line"]) for st in (h.state(), w.state())] == [("serving", A)] * 2
     assert h.proc.poll() is None and w.proc.poll() is None  # inside the running supervisors
+
+
+def test_a_node_whose_state_names_the_retired_v029_serves_the_files_line_with_one_warning(tmp_path, serve):
+    """v0.29.0 was retired (runtime_lines.toml `[retired]`): a node whose switch state still names
+    it (a pair switched there before the upgrade) comes up on its cluster file's line, saying once
+    why, instead of failing to start."""
+    path = write_cluster(tmp_path)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_MODEL))  # the check reads it
+    data = tomllib.loads(path.read_text())
+    data["serving"]["load_format"] = "dummy"  # no shards: the stand-in loads nothing
+    path.write_text(C.dumps(data))
+    line_state.write(tmp_path / "state-h", line_state.LineState("v0.29.0", A))
+    s = serve(path, "h", "--check")  # as the units run it
+    try:
+        s.read(until="READY=1", timeout=60)
+    except AssertionError:
+        s.proc.kill()
+        raise AssertionError(s.proc.stdout.read()[-3000:]) from None
+    assert (s.state()["state"], s.state()["runtime_line"]) == ("serving", A)
+    s.proc.kill()
+    s.proc.wait(timeout=30)
+    out = s.proc.stdout.read()
+    warnings = [ln for ln in out.splitlines() if "'v0.29.0' was retired" in ln]
+    assert len(warnings) == 1, out[-3000:]
+    assert f"running the cluster file's line {A}" in warnings[0] and "Traceback" not in out, warnings

@@ -341,6 +341,11 @@ class Cluster:
         s = self.serving
         command = s.line_commands.get(line) or (s.vllm_command if line == s.runtime_line else None)
         if not command:
+            from . import runtime_lines
+
+            lines = runtime_lines.load()
+            if line in lines.retired:
+                raise ConfigError([runtime_lines.unknown_line_message(line, lines)], self.source)
             installed = sorted({s.runtime_line, *s.line_commands})
             raise ConfigError([f"serving.line_commands: runtime line {line!r} is not installed on the nodes "
                                f"(installed: {', '.join(installed)}); add its vLLM command, e.g. "

@@ -392,9 +392,12 @@ def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
         except ConfigError as e:
             if line == file_line:
                 raise
-            # The state names a line this cluster file no longer installs: back to the file's.
+            # The state names a line this cluster file no longer installs (or a retired one): back
+            # to the file's, and the state says so, or the head's watch of it would switch again.
             L.line(logging.WARNING, f"dspark[{node.name}]: {e.problems[0]}; running the cluster file's line {file_line}")
             line, on_line = file_line, cluster.on_line(file_line)
+            if state_dir is not None:
+                line_state.write(state_dir, line_state.LineState(file_line, file_line))
         sup = Supervisor(on_line, on_line.node(node.name), state_dir=state_dir, api_key=api_key, backoff=backoff and first,
                          signals=signals, file_line=file_line, switching=switching, count_start=first)
         sup.state.identity = identity
