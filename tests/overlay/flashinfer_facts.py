@@ -153,6 +153,25 @@ def signature_from_source(path: Path, name: str) -> inspect.Signature:
     return inspect.Signature(params)
 
 
+def dsv4_io_stride(root: Path, bytes_per_token: int) -> int:
+    """The bytes of a DSv4 token's data row in FlashInfer's SM120 pages (NoPE + bf16 RoPE; the
+    scales follow the page's rows), checked against the token's bytes: read from the kernel and
+    the KV-cache traits of the sources at ``root`` (the same in 0.6.18 and 0.7.0.post1)."""
+    kernel = (root / "data" / "include" / "flashinfer" / "attention" / "sparse_mla_sm120"
+              / "decode_dsv4_kernel.cuh").read_text()
+    # data_base = block * stride + local * IO_STRIDE; scales at pbs * IO_STRIDE + local * 8.
+    if "(size_t)section_pbs * IO_STRIDE" not in kernel:
+        raise AssertionError("FlashInfer's DSv4 page layout (data, then scales) moved")
+    traits = (root / "data" / "include" / "flashinfer" / "attention" / "sparse_mla_sm120"
+              / "model" / "kv_cache_traits.cuh").read_text()
+    dsv4 = traits[traits.index("struct KVCacheTraits<ModelType::DSV4>"):]
+    d_nope, d_rope, scale_bytes = (_ints(rf"int {name} = (\d+);", dsv4, f"DSV4 {name}")[0]
+                                   for name in ("D_NOPE", "D_ROPE", "SCALE_BYTES_PER_TOKEN"))
+    if d_nope + 2 * d_rope + scale_bytes != bytes_per_token:
+        raise AssertionError("FlashInfer's DSv4 token envelope changed")
+    return d_nope + 2 * d_rope  # bf16 RoPE
+
+
 def load(root: Path | None = None) -> SparseMlaSm120:
     root = pinned_dir() if root is None else root
     if not root.is_dir():
@@ -171,19 +190,6 @@ def load(root: Path | None = None) -> SparseMlaSm120:
     decode_max = int(consts["_DECODE_MAX_TOKENS"])
     if f"TVM_FFI_ICHECK_GT(num_tokens, {decode_max})" not in orchestrator:
         raise AssertionError("FlashInfer's orchestrator no longer refuses decode-sized calls")
-    kernel = (root / "data" / "include" / "flashinfer" / "attention" / "sparse_mla_sm120"
-              / "decode_dsv4_kernel.cuh").read_text()
-    # data_base = block * stride + local * IO_STRIDE; scales at pbs * IO_STRIDE + local * 8.
-    if "(size_t)section_pbs * IO_STRIDE" not in kernel:
-        raise AssertionError("FlashInfer's DSv4 page layout (data, then scales) moved")
-    traits = (root / "data" / "include" / "flashinfer" / "attention" / "sparse_mla_sm120"
-              / "model" / "kv_cache_traits.cuh").read_text()
-    dsv4 = traits[traits.index("struct KVCacheTraits<ModelType::DSV4>"):]
-    d_nope = _ints(r"int D_NOPE = (\d+);", dsv4, "DSV4 D_NOPE")[0]
-    d_rope = _ints(r"int D_ROPE = (\d+);", dsv4, "DSV4 D_ROPE")[0]
-    scale_bytes = _ints(r"int SCALE_BYTES_PER_TOKEN = (\d+);", dsv4, "DSV4 scale bytes")[0]
-    if d_nope + 2 * d_rope + scale_bytes != int(consts["_BPT_DSV4"]):
-        raise AssertionError("FlashInfer's DSv4 token envelope changed")
     return SparseMlaSm120(
         version=locked_version() if root == pinned_dir() else str(root),
         decode_max_tokens=decode_max,
@@ -195,7 +201,7 @@ def load(root: Path | None = None) -> SparseMlaSm120:
         prefill_dual_topks=_ints(r"if \(topk != (\d+)\) return false;", dual, "dual top-k"),
         prefill_dual_extra_page_tokens=_ints(
             r"extra_page_block_size == (\d+)", dual, "dual extra page size"),
-        io_stride=d_nope + 2 * d_rope,  # bf16 RoPE
+        io_stride=dsv4_io_stride(root, int(consts["_BPT_DSV4"])),
         decode_signature=signature_from_source(root / "mla" / "_core.py",
                                                "trtllm_batch_decode_sparse_mla_dsv4"),
     )

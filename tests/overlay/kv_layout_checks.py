@@ -143,19 +143,7 @@ class PlannedSm120:
         dual = flashinfer_facts._function_body(prefill, "dispatch_dsv4_dual")
         self.prefill_dual_extra_page_tokens = flashinfer_facts._ints(
             r"extra_page_block_size == (\d+)", dual, "dual extra page size")
-        kernel = (root / "data" / "include" / "flashinfer" / "attention" / "sparse_mla_sm120"
-                  / "decode_dsv4_kernel.cuh").read_text()
-        if "(size_t)section_pbs * IO_STRIDE" not in kernel:
-            raise AssertionError("FlashInfer's DSv4 page layout (data, then scales) moved")
-        traits = (root / "data" / "include" / "flashinfer" / "attention" / "sparse_mla_sm120"
-                  / "model" / "kv_cache_traits.cuh").read_text()
-        dsv4 = traits[traits.index("struct KVCacheTraits<ModelType::DSV4>"):]
-        d_nope, d_rope, scale_bytes = (
-            flashinfer_facts._ints(rf"int {name} = (\d+);", dsv4, f"DSV4 {name}")[0]
-            for name in ("D_NOPE", "D_ROPE", "SCALE_BYTES_PER_TOKEN"))
-        if d_nope + 2 * d_rope + scale_bytes != self.bytes_per_token:
-            raise AssertionError("FlashInfer's DSv4 token envelope changed")
-        self.io_stride = d_nope + 2 * d_rope
+        self.io_stride = flashinfer_facts.dsv4_io_stride(root, self.bytes_per_token)
         self.decode_signature = flashinfer_facts.signature_from_source(
             root / "mla" / "_core.py", "trtllm_batch_decode_sparse_mla_dsv4")
 

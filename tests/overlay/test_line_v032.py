@@ -54,6 +54,14 @@ def _touched() -> list[str]:
     return list(dict.fromkeys(p for patch in read_series(SERIES) for p in touched_files(patch)))
 
 
+def _stage(site: Path, stock: Path) -> None:
+    """Copy the files the series touches from a stock tree into ``site``."""
+    for rel in _touched():
+        if (stock / rel).is_file():
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(stock / rel, site / rel)
+
+
 # ------------------------------------------------------------------------------ the series as data
 
 def test_the_series_file_is_the_lines_data():
@@ -141,10 +149,7 @@ def test_patch_F0_in_series_order_as_the_flake_runs_it(tmp_path, stock_site_032)
     patch = shutil.which("patch")
     assert patch, "GNU patch"
     site = tmp_path / "site"
-    for rel in _touched():
-        if (stock_site_032 / rel).is_file():
-            (site / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(stock_site_032 / rel, site / rel)
+    _stage(site, stock_site_032)
     for path in read_series(SERIES):
         r = subprocess.run([patch, "-p1", "-F0", "--forward", "--batch", "--no-backup-if-mismatch",
                             "-r", "-", "-d", str(site), "-i", str(path.resolve())],
@@ -156,10 +161,7 @@ def test_patch_F0_in_series_order_as_the_flake_runs_it(tmp_path, stock_site_032)
 
 def _digests_of_patched(tmp_path: Path, stock: Path) -> dict[str, str | None]:
     site = tmp_path / "by-dspark"
-    for rel in _touched():
-        if (stock / rel).is_file():
-            (site / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(stock / rel, site / rel)
+    _stage(site, stock)
     (site / "vllm" / "_version.py").write_text("__version__ = version = '0.32.0'\n")
     apply_series(site, SERIES)
     return _digests(site, _touched())
@@ -179,10 +181,7 @@ def test_each_line_refuses_the_other_lines_release(tmp_path, stock_site_032, cap
 
 def test_the_cli_applies_and_checks_a_lines_series(tmp_path, stock_site_032, capsys):
     site = tmp_path / "site"
-    for rel in _touched():
-        if (stock_site_032 / rel).is_file():
-            (site / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(stock_site_032 / rel, site / rel)
+    _stage(site, stock_site_032)
     (site / "vllm" / "_version.py").write_text("__version__ = version = '0.32.0'\n")
     assert main(["check", str(site), "--line", LINE_032]) == 3
     assert main(["apply", str(site), "--line", LINE_032]) == 0
