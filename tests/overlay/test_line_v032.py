@@ -9,7 +9,6 @@ line. Every behaviour check must fail on stock 0.32.0."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -31,6 +30,7 @@ from dspark.overlay import (
 )
 
 from . import attn_tensor_checks
+from .test_apply import _digests
 from .test_kv_layout import short_prompt_mismatches, short_prompt_table
 from .conftest import LINE_032, OVERLAY_DIR, REPO, run_checks
 from .run_cuda_checks import added_file
@@ -43,11 +43,6 @@ KV_CHECKS = Path(__file__).with_name("kv_layout_checks.py")
 NAMES = ("imports", "tensor_logic", "flashinfer_backend", "short_extend_split", "warmup_prompt_len")
 BRIDGE = "0003-flashinfer-sm120-bridge.patch"
 HEADER_FIELDS = ("What:", "Why:", "Upstream:", "Seed behaviour:", "Drop when:", "Port:")
-
-
-def _digests(site: Path, rels) -> dict[str, str | None]:
-    return {rel: hashlib.sha256((site / rel).read_bytes()).hexdigest() if (site / rel).is_file() else None
-            for rel in rels}
 
 
 def _touched() -> list[str]:
