@@ -33,6 +33,9 @@ from .typecheck import fits, words
 # The file itself: a regular file of at most this size, UTF-8, nested at most this deep.
 MAX_FILE_BYTES = 1024 * 1024
 MAX_DEPTH = 8
+# The modalities vLLM's --limit-mm-per-prompt takes (config/multimodal.py MultiModalDummyOptionsBuiltins,
+# 0.28.0 and 0.32.0).
+MODALITIES = ("image", "video", "audio")
 # Environment names: what a POSIX shell can assign and systemd's Environment= accepts.
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The longest single argument dspark puts on vLLM's command line (a path is at most 4096 bytes).
@@ -170,6 +173,14 @@ def check(c: Cluster) -> list[str]:
             p.append(f"serving.max_cudagraph_capture_size: {s.max_cudagraph_capture_size} differs from the "
                      f"largest of cudagraph_capture_sizes ({max(s.cudagraph_capture_sizes)}); set one of them")
     p += _graph_coverage_problems(s)
+    if s.limit_mm_per_prompt is not None:
+        for modality, count in s.limit_mm_per_prompt.items():
+            if modality not in MODALITIES:
+                p.append(f"serving.limit_mm_per_prompt.{toml_key(modality)}: not a modality vLLM limits; "
+                         f"use one of {', '.join(MODALITIES)}, e.g. limit_mm_per_prompt = {{image = 4}}")
+            elif not 0 <= count <= 1024:
+                p.append(f"serving.limit_mm_per_prompt.{modality}: {count} is out of range; write a count in "
+                         "[0, 1024] (0: none of them in a prompt)")
     if s.speculative_config is not None:
         n = s.speculative_config.get("num_speculative_tokens", 0)
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64:
@@ -293,6 +304,7 @@ DSPARK_FLAGS = {
     "--enable-chunked-prefill": "serving.enable_chunked_prefill",
     "--skip-tokenizer-init": "serving.skip_tokenizer_init",
     "--speculative-config": "serving.speculative_config",
+    "--limit-mm-per-prompt": "serving.limit_mm_per_prompt",
     "--distributed-executor-backend": "nothing (dspark runs vLLM's mp backend on every node)",
     "--nnodes": "the [[nodes]] list", "-n": "the [[nodes]] list",
     "--node-rank": "the node's rank", "-r": "the node's rank",

@@ -157,6 +157,13 @@ class ServingConfig:
         help="vLLM --speculative-config as a table; omit for none.",
         example=SEED_SPECULATIVE, factory=lambda: dict(SEED_SPECULATIVE),
         source=_BOTH + " (DSpark, k=5)")
+    limit_mm_per_prompt: dict[str, int] | None = _f(
+        None, help="Images (or other media) one prompt may carry, by modality (vLLM --limit-mm-per-prompt); "
+                   "omit for vLLM's own limit. A multimodal checkpoint (DeepSeek-V4-Flash-Vision-Exp) needs a "
+                   "runtime line that serves it (v0.32.0); {image = 0} serves it as text only.",
+        example={"image": 4},
+        source="vLLM's default (unset: 999 of each); vLLM 0.32.0's DeepSeek V4 VL model skips its vision tower at "
+               "{image = 0} (models/deepseek_v4/common/vl_model.py)")
     enable_prefix_caching: bool = _f(True, help="Reuse KV of shared prompt prefixes.", example=True, source=_SEED)
     enable_chunked_prefill: bool = _f(True, help="Split long prompts into scheduler-sized chunks.", example=True,
                                       source=_SEED)

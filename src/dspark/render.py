@@ -115,6 +115,8 @@ def vllm_argv(cluster: Cluster, node: NodeConfig) -> list[str]:
             argv.append(flag)
     if s.speculative_config:
         argv += ["--speculative-config", json.dumps(s.speculative_config, separators=(",", ":"))]
+    if s.limit_mm_per_prompt is not None:
+        argv += ["--limit-mm-per-prompt", json.dumps(s.limit_mm_per_prompt, separators=(",", ":"))]
     argv += ["--distributed-executor-backend", "mp"]
     if len(cluster.nodes) > 1:
         argv += [

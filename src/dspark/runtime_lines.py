@@ -64,6 +64,9 @@ class Line:
     names: dict[str, tuple[str, ...]]  # setting -> the release's own names
     sources: dict[str, str]  # setting -> where those names were read
     vocabulary: dict[str, dict[str, Term]]  # setting -> seed name -> term
+    # Where the line's vLLM serves a DeepSeek V4 checkpoint with a vision tower (config.json's
+    # vision_n_layers > 0: DeepSeek-V4-Flash-Vision-Exp), or None when it cannot.
+    deepseek_v4_vision: str | None = None
 
     @property
     def title(self) -> str:
@@ -123,6 +126,7 @@ def _line(line_id: str, raw: dict[str, Any]) -> Line:
         sources={s: names[f"{s}_source"] for s in SETTINGS},
         vocabulary={s: {k: _term(v, f"lines.{line_id}.vocabulary.{s}.{k}")
                         for k, v in raw.get("vocabulary", {}).get(s, {}).items()} for s in SETTINGS},
+        deepseek_v4_vision=raw.get("deepseek_v4_vision"),
     )
 
 
@@ -225,3 +229,24 @@ def refusals(line_id: str, settings: dict[str, str | None], lines: Lines | None 
     except LineRefusal as e:
         return e.problems
     return []
+
+
+def vision_refusal(line: Line, lines: Lines, model_config: dict[str, Any]) -> str | None:
+    """Why `line` cannot serve the model whose config.json is `model_config` (a DeepSeek V4
+    checkpoint with a vision tower on a line whose vLLM has no DeepSeek V4 VL model), or None."""
+    if not isinstance(model_config.get("vision_n_layers"), int) or model_config["vision_n_layers"] <= 0:
+        return None
+    if model_config.get("model_type") != "deepseek_v4" or line.deepseek_v4_vision is not None:
+        return None
+    return (f"{line.title} cannot serve this checkpoint: its config.json has a vision tower "
+            f"(vision_n_layers {model_config['vision_n_layers']}, DeepSeek-V4-Flash-Vision-Exp), and vLLM "
+            f"{line.vllm} has no DeepSeek V4 vision model (it would load the text model and stop at the "
+            "vision weights)")
+
+
+def vision_fix(lines: Lines) -> str:
+    """What to do about vision_refusal: the lines that serve it."""
+    able = [line.id for line in lines.lines.values() if line.deepseek_v4_vision is not None]
+    if not able:
+        return "no runtime line dspark offers serves it"
+    return f"set serving.runtime_line = {able[0]!r} in the cluster file, or `dspark switch {able[0]}`"

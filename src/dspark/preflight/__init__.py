@@ -97,7 +97,7 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
 
     def model() -> list[Check]:
         checks, facts_box[0] = M.check_model_dir(cluster.model.path, cluster.serving.load_format, user)
-        return checks
+        return checks + M.vision_checks(cluster.model.path, cluster.serving.runtime_line)
 
     add(_guard("model", model))
 

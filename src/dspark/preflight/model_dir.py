@@ -180,3 +180,22 @@ def check_model_dir(model_path: str, load_format: str | None, user: ServiceUser)
         return out, facts
     out.append(ok("model.size", seen))
     return out, facts
+
+
+def vision_checks(model_path: str, line_id: str) -> list[Check]:
+    """Whether the runtime line serves the checkpoint: a DeepSeek V4 config.json with a vision
+    tower needs a line whose vLLM has the DeepSeek V4 VL model (dspark.runtime_lines). Nothing
+    is said for a directory whose config.json cannot be read (check_model_dir says why)."""
+    from .. import runtime_lines
+
+    try:
+        data = read_json(Path(model_path) / "config.json", MAX_MODEL_CONFIG_BYTES)
+    except (OSError, ValueError):
+        return []
+    lines = runtime_lines.load()
+    if not isinstance(data, dict) or line_id not in lines.lines:
+        return []
+    why = runtime_lines.vision_refusal(lines.lines[line_id], lines, data)
+    if why is None:
+        return []
+    return [fail("model.line", why, runtime_lines.vision_fix(lines))]
