@@ -253,7 +253,8 @@ def run_case(case: dict, model_dir: Path) -> dict:
 
 def edge_case(case: dict, model_dir: Path) -> dict:
     """``edge``: vLLM's longest context for ``n`` requests around a planned figure P, on a
-    grid bounded in runs. {"plan": P, "below": [fractions < 1], "step": s, "up": u}: runs P
+    grid bounded in runs. {"plan": P, "below": [fractions < 1], "step": s, "up": u, "dense":
+    [lo, hi] (optional)}: runs P
     and P x each fraction in ``below`` (every shorter length must run too: admission is not
     monotone in length), then P x (1 + s), P x (1 + 2s), ... up to u steps (and at most
     max_model_len) until one fails, each step also at the lengths ``offsets`` (tokens, optional)
@@ -278,9 +279,21 @@ def edge_case(case: dict, model_dir: Path) -> dict:
     for length in sorted({plan, *(max(SETTLE + 1, int(plan * f)) for f in spec["below"])},
                          reverse=True):
         ok(length)
-    above = True
+    # ``dense`` [lo, hi]: every length from lo to the plan, then from the plan up to hi until
+    # one fails. Short prompts all prefill in one step, and which lengths vLLM then preempts
+    # follows the block boundaries (bands a few tokens wide, every few tens of tokens), which
+    # the fractions above step over.
+    if spec.get("dense"):
+        lo, hi = (int(x) for x in spec["dense"])
+        for length in range(max(SETTLE + 1, lo), plan):  # bounded: plan - lo lengths
+            ok(length)
+        for length in range(plan + 1, min(hi, mml) + 1):  # bounded: hi - plan lengths
+            if not ok(length):
+                break
+    # A dense failure above the plan is vLLM's edge: the steps further up are not needed.
+    above = all(v["ok"] for k, v in runs.items() if k > plan)
     offsets = [int(o) for o in spec.get("offsets", ())]
-    for i in range(1, int(spec["up"]) + 1):  # bounded by up (x the offsets)
+    for i in range(1, int(spec["up"]) + 1 if above else 1):  # bounded by up (x the offsets)
         base = min(mml, int(plan * (1 + i * float(spec["step"]))))
         if base <= plan:
             above = False

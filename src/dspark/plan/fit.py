@@ -157,8 +157,12 @@ class Scheduling:
     assumes no order: a refused request waits at the head of the queue, and once every other
     request has prefilled and settled to decoding, the free blocks only shrink, so all n run
     whatever the order when the pool holds n - 1 requests decoding plus one admission cap,
-    and n - m decoding plus the m that prefill at once (budget / chunk, each with its
-    in-flight chunks' window blocks). Requests that all fit the first step's budget are
+    and n - m decoding plus the m that prefill at once (budget / chunk, each at its peak: the
+    step after its last chunk, holding the prompt, one decode step and the lookahead slots in
+    every group, window groups included, since nothing has settled yet). The pool is the blocks
+    less one: BlockPool keeps one as its null block. With short prompts that all prefill in one
+    step vLLM preempts the last one admitted in bands a few tokens wide wherever that peak
+    passes the pool (0.7 x 16, 1,144 blocks: 16 x 161 runs, 162 does not). Requests that all fit the first step's budget are
     admitted in that step in order, each gated with the earlier ones holding their first
     chunk. Every term grows with the length (window groups taken
     at their most), so ``longest`` is the largest length below which every length runs.
@@ -205,16 +209,25 @@ class Scheduling:
         # prefill one group after another.
         later = (_cdiv(n, prefill_at_once) - 1) * _cdiv(tokens, first)
         decoding = self.decoding(tokens + later)
-        # A request just prefilled, its first decode steps scheduled and nothing settled.
+        # A request just prefilled: its prompt (at most tokens - 1: it generates one token at
+        # least) is one of the batches in flight, the others each schedule a decode step
+        # (1 + k tokens) beyond it, and nothing has settled, so no window block behind it is
+        # freed yet (held() adds the k lookahead slots). 0.7 x 32 (1,144 blocks): a 69-token
+        # prompt holds 35 blocks at its peak and 32 x 73 runs, a 70-token one 37 and 32 x 74
+        # is preempted.
         ahead = self.batches * (1 + self.spec)
-        prefilling = self.held(tokens + ahead, self.batches * first + ahead)
-        if n * decoding > self.num_blocks:
+        beyond = (self.batches - 1) * (1 + self.spec)
+        prefilling = self.held(tokens - 1 + beyond, self.batches * first + ahead)
+        # BlockPool takes one block of the pool as its null block (v1/core/block_pool.py):
+        # 0.7 x 4 (1,144 blocks) preempts four requests of 286 blocks each.
+        free = self.num_blocks - 1
+        if n * decoding > free:
             return False
-        if (n - prefill_at_once) * decoding + prefill_at_once * prefilling > self.num_blocks:
+        if (n - prefill_at_once) * decoding + prefill_at_once * prefilling > free:
             return False
         # The last request may arrive once the other n - 1 decode (a server's usual case): it is
         # admitted only when its cap fits beside them, whatever the first step could admit.
-        return (n - 1) * decoding + cap <= self.num_blocks
+        return (n - 1) * decoding + cap <= free
 
     def longest(self, n: int, limit: int) -> int:
         """Largest L <= limit such that n requests of every length up to L run at once.
