@@ -197,7 +197,7 @@ class PairHandle:
 
 
 def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2, line: str | None = None,
-               env: dict[str, str] | None = None) -> PairHandle:
+               env: dict[str, str] | None = None, vision: bool = False) -> PairHandle:
     ports = pick_ports(nodes)
     workdir.mkdir(parents=True, exist_ok=True)
     output = workdir / "local-up.out"
@@ -205,7 +205,7 @@ def start_pair(workdir: Path, timeout: float = 600, nodes: int = 2, line: str | 
     proc = subprocess.Popen(
         dspark_cmd("local", "up", "--dir", str(workdir), "--api-port", str(ports.api),
                    "--agent-port", str(ports.agent), "--master-port", str(ports.master), "--nodes", str(nodes),
-                   *(("--line", line) if line is not None else ())),
+                   *(("--line", line) if line is not None else ()), *(("--vision",) if vision else ())),
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
         env={**os.environ, **env} if env else None)
     out.close()

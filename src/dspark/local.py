@@ -26,7 +26,7 @@ from .notify import NOTIFY_ENV
 from .signals import SignalQueue
 from .vllm_process import end_group
 from .agent_client import agent_state
-from . import local_model
+from . import local_model, local_vision
 from .local_model import TINY_MODEL
 
 WORKER_ADDR = "127.0.0.2"
@@ -73,6 +73,25 @@ def check_nodes(nodes: int) -> None:
         raise LocalError(f"--nodes {nodes}: the tiny local model has {TINY_MODEL['num_attention_heads']} "
                          f"attention heads, and tensor parallelism over N nodes needs N to divide them; "
                          f"choose one of {', '.join(map(str, valid))}")
+
+
+def check_vision(line: str | None, nodes: int) -> None:
+    """`--vision`: refused, before anything is written, on a line whose vLLM does not serve the
+    tiny vision model (local_vision.SERVING_LINES) or a node count its heads cannot be split over."""
+    from . import runtime_lines
+
+    lines = runtime_lines.load()
+    line_id = lines.default if line is None else line
+    if line_id not in local_vision.SERVING_LINES:
+        able = ", ".join(f"{k} ({v})" for k, v in local_vision.SERVING_LINES.items())
+        why = local_vision.NOT_SERVING.get(line_id, "not tried with it")
+        raise LocalError(f"--vision: runtime line {line_id} (vLLM {lines.lines[line_id].vllm}) does not serve the "
+                         f"tiny vision model ({why}); it is served by {able}: add --line "
+                         f"{next(iter(local_vision.SERVING_LINES))}")
+    if local_vision.HEADS % nodes:
+        raise LocalError(f"--vision --nodes {nodes}: the tiny vision model has {local_vision.HEADS} attention heads, "
+                         f"and tensor parallelism over N nodes needs N to divide them; it runs on "
+                         f"{local_vision.HEADS} nodes")
 
 
 def memory_per_node_gib(nodes: int = DEFAULT_NODES) -> float:
@@ -129,10 +148,18 @@ def installed_lines() -> dict[str, list[str]]:
     return out
 
 
+def model_dir(workdir: Path, vision: bool = False) -> Path:
+    """Where `local up` writes its tiny model (the text one, or the vision one with --vision):
+    two directories, so neither holds the other's files."""
+    return workdir / ("model-vision" if vision else "model")
+
+
 def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = False,
-                 nodes: int = DEFAULT_NODES, line: str | None = None) -> dict:
+                 nodes: int = DEFAULT_NODES, line: str | None = None, vision: bool = False) -> dict:
     check_nodes(nodes)
     command = vllm_command(line)  # refuses a line that is not installed, before anything is written
+    if vision:
+        check_vision(line, nodes)
     node_common = {"agent_port": ports.agent, "master_port": ports.master}
     # Tool calls as the tiny model's chat template writes them (local_model.TOOL_CALL_PARSER,
     # `hermes`); the GB10 defaults use the DeepSeek V4 parsers (config.SEED_EXTRA_ARGS). A named
@@ -144,12 +171,17 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
              "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
     if not compile:
         extra += ["--optimization-level", "0"]  # skip torch.compile: minutes on 2 cores
+    lines = installed_lines()
+    if vision:
+        # A switch can move the appliance only to a line that serves the vision model: the
+        # others are left out of line_commands.
+        lines = {k: v for k, v in lines.items() if k in local_vision.SERVING_LINES}
     return {
-        "model": {"path": str(workdir / "model"), "served_name": SERVED_NAME, "trust_remote_code": False},
+        "model": {"path": str(model_dir(workdir, vision)), "served_name": SERVED_NAME, "trust_remote_code": False},
         "serving": {
             "vllm_command": command,
             **({"runtime_line": line} if line is not None else {}),
-            "line_commands": installed_lines(),
+            "line_commands": lines,
             "tensor_parallel_size": nodes,
             "gpus_per_node": 1,
             "usable_memory_gib": memory_per_node_gib(nodes),
@@ -162,10 +194,13 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
             "block_size": 128,  # what vLLM's CPU platform uses
             "moe_backend": "auto",
             "speculative_config": {},
+            # One image a prompt (what the tests send); the text model takes none.
+            **({"limit_mm_per_prompt": {"image": 1}} if vision else {}),
             "enable_prefix_caching": True,
             "enable_chunked_prefill": True,
             "async_scheduling": False,
-            "load_format": "dummy",
+            # The vision model's weights are files of its own (dummy weights do not serve it).
+            "load_format": "auto" if vision else "dummy",
             "skip_tokenizer_init": False,  # the tiny model has a tokenizer and a chat template
             "extra_args": extra,
             "env": {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
@@ -184,14 +219,16 @@ def cluster_dict(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool 
 
 
 def prepare(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = False,
-            nodes: int = DEFAULT_NODES, line: str | None = None) -> Path:
-    """Write the tiny model and the cluster file under `workdir`; return the cluster file."""
+            nodes: int = DEFAULT_NODES, line: str | None = None, vision: bool = False) -> Path:
+    """Write the tiny model (the vision one with `vision`) and the cluster file under `workdir`;
+    return the cluster file."""
     workdir = workdir.resolve()
-    data = cluster_dict(workdir, ports, compile, nodes, line)  # refuses a node count before anything is written
-    local_model.write(workdir / "model")
+    data = cluster_dict(workdir, ports, compile, nodes, line, vision)  # refusals before anything is written
+    (local_vision if vision else local_model).write(model_dir(workdir, vision))
     C.from_dict(data)  # the generated file must pass the same validation as a hand-written one
     path = workdir / "cluster.toml"
     what = "two-node appliance" if nodes == 2 else f"{nodes}-node appliance"
+    what += ", serving the tiny vision model" if vision else ""
     path.write_text(f"# Generated by `dspark local up`: the local {what}.\n" + C.dumps(data))
     return path
 
@@ -333,15 +370,18 @@ def preflight(cluster: C.Cluster, node: C.NodeConfig, progress: Progress, host=N
 
 def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = print,
        compile: bool = False, on_ready: Callable[[Pair], None] | None = None, check_host=None,
-       nodes: int = DEFAULT_NODES, line: str | None = None) -> int:
+       nodes: int = DEFAULT_NODES, line: str | None = None, vision: bool = False) -> int:
     """Bring the appliance up, report, and supervise until Ctrl-C / SIGTERM; always stop every
     node. Each node is checked (`dspark check`) right before it starts; `check_host`: where the
     checks look (dspark.preflight.Host; default this machine). `line`: the runtime line every
-    node runs (default: the default line, this environment's vLLM)."""
+    node runs (default: the default line, this environment's vLLM). `vision`: serve the tiny
+    vision model (dspark.local_vision) in place of the text one."""
     check_nodes(nodes)  # before the ports: a count the model cannot take is the first thing to say
     vllm_command(line)  # a line that is not installed: said before the ports are looked at
+    if vision:
+        check_vision(line, nodes)
     check_ports_free(ports, nodes)
-    cluster_file = prepare(workdir, ports, compile, nodes, line)
+    cluster_file = prepare(workdir, ports, compile, nodes, line, vision)
     cluster = C.load(cluster_file)
     head, workers = cluster.head, cluster.workers
     pair = Pair(cluster_file, workdir.resolve())
@@ -390,6 +430,9 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
                  f"\"Hello\"}}], \"max_tokens\": 16}}'")
         progress("  (text, chat and token-id prompts all work: the tiny model has a tokenizer and a chat template; "
                  "docs/quick-start.md has the same request with the OpenAI SDK)")
+        if vision:
+            progress(f"  (vision: a user message may carry one image, an image_url part with a data URL; "
+                     f"it takes {local_vision.IMAGE_TOKENS} prompt tokens, whatever its size)")
         progress(f"  {cli_command()} status --config {cluster_file}")
         progress(f"Ctrl-C stops {everyone}.")
         if on_ready:

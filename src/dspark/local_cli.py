@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .cli_common import fail
-from .local import DEFAULT_DIR, DEFAULT_NODES, LocalError, LocalPorts, check_nodes, up, vllm_command
+from .local import DEFAULT_DIR, DEFAULT_NODES, LocalError, LocalPorts, check_nodes, check_vision, up, vllm_command
 
 _PORTS = LocalPorts()
 
@@ -42,12 +42,20 @@ def _local_line(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--line", default=None, callback=_local_line, metavar="LINE",
               help="Runtime line every node runs (serving.runtime_line; default: the default line, the vLLM "
                    "beside this dspark); another line's CPU build is the one .ci/setup put in .venv-lines/LINE.")
+@click.option("--vision", is_flag=True,
+              help="Serve a tiny random vision model (Idefics3) in place of the text one: chat messages may carry "
+                   "an image (image_url). Needs a line whose vLLM serves it (--line v0.32.0).")
 def local_up_cmd(workdir: Path, api_port: int, agent_port: int, master_port: int, compile_: bool,
-                 nodes: int, line: str | None) -> None:
+                 nodes: int, line: str | None, vision: bool) -> None:
     """Start the workers (127.0.0.2 ..) then the head (127.0.0.1); Ctrl-C stops them all."""
+    if vision:
+        try:
+            check_vision(line, nodes)
+        except LocalError as e:
+            raise click.UsageError(str(e)) from None
     try:
         code = up(workdir, LocalPorts(api=api_port, master=master_port, agent=agent_port), compile=compile_,
-                  nodes=nodes, line=line)
+                  nodes=nodes, line=line, vision=vision)
     except LocalError as e:
         fail(f"local up: {e}", 1)
     sys.exit(code)

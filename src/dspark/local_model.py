@@ -255,11 +255,14 @@ def contents() -> dict[str, str]:
 def write(model_dir: Path) -> None:
     """Write the tiny model's directory (FILES; made if missing). A file that already holds
     the same bytes is left untouched; one that differs is replaced atomically."""
-    model_dir = Path(model_dir)
+    write_files(Path(model_dir), {name: text.encode() for name, text in contents().items()})
+
+
+def write_files(model_dir: Path, files: dict[str, bytes]) -> None:
+    """Write `files` (name -> bytes) into `model_dir` (made if missing), as write() says."""
     model_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in contents().items():
+    for name, data in files.items():
         path = model_dir / name
-        data = text.encode()
         try:
             if path.read_bytes() == data:
                 continue
