@@ -212,25 +212,48 @@ def test_a_mapped_name_must_exist_on_the_line_and_its_patch_must_apply():
         R.parse(data)
 
 
+def test_a_patch_new_on_a_line_is_applied_and_neither_ported_nor_dropped():
+    """A line's own patch (no overlay/ patch behind it) is one it applies; it is not a port of a
+    seed patch, nor a seed patch upstream took."""
+    own = "0014-b12x-warmup-draft-model.patch"
+    assert LINES.get("v0.32.0").own == (own,) and not LINES.get("v0.28.0").own
+    data = _data()
+    data["lines"]["v0.32.0"]["series"]["applies"].remove(own)
+    with pytest.raises(R.LineDataError, match=f"v0.32.0: own {own} not in the line's series"):
+        R.parse(data)
+    data = _data()
+    data["lines"]["v0.32.0"]["series"]["ported"].append(own)
+    with pytest.raises(R.LineDataError, match=f"v0.32.0: {own} both own and ported"):
+        R.parse(data)
+    data = _data()
+    data["lines"]["v0.32.0"]["dropped"].append({"patch": own, "taken_in": "0.32.0", "evidence": "no"})
+    with pytest.raises(R.LineDataError, match=f"v0.32.0: {own} both own and dropped"):
+        R.parse(data)
+
+
 def test_every_overlay_patch_is_accounted_for_once_on_every_line():
     overlay = [p.name for p in read_series(ROOT / "overlay")]
     for line in LINES.lines.values():
-        placed = [*line.series, *line.needs_port, *(d["patch"] for d in line.dropped)]
+        # A patch new on the line is none of overlay/'s (and never a dropped one: check_data).
+        assert not set(line.own) & set(overlay), line.id
+        carried = [p for p in line.series if p not in line.own]
+        placed = [*carried, *line.needs_port, *(d["patch"] for d in line.dropped)]
         assert sorted(placed) == sorted(overlay), line.id
-        assert [p for p in overlay if p in line.series] == list(line.series), f"{line.id}: series order"
+        assert [p for p in overlay if p in carried] == carried, f"{line.id}: series order"
         assert set(line.open_work) <= {d["patch"] for d in line.dropped}, line.id
         # Taken by a release after the seed line's and no later than the line's own.
         release = lambda v: tuple(map(int, v.split(".")))  # noqa: E731
         assert all(release(LINES.get(LINES.default).vllm) < release(d["taken_in"]) <= release(line.vllm)
                    for d in line.dropped), line.id
         # The line's series file is the data: the same patches in the same order, written for the
-        # line's release; a ported patch lies beside it, every other one is overlay/'s own.
+        # line's release; a ported patch and one new on the line lie beside it, every other one is
+        # overlay/'s own.
         series = ROOT / line.series_file
         patches = read_series(series)
         assert [p.name for p in patches] == list(line.series), line.id
         assert series_vllm_version(series) == line.vllm, line.id
         for patch in patches:
-            home = series.parent if patch.name in line.ported else ROOT / "overlay"
+            home = series.parent if patch.name in (*line.ported, *line.own) else ROOT / "overlay"
             assert patch.resolve() == (home / patch.name).resolve(), (line.id, patch)
     assert list(LINES.get(LINES.default).series) == overlay
     assert LINES.get(LINES.default).series_file == "overlay/series" and not LINES.get(LINES.default).ported
@@ -320,7 +343,7 @@ def test_the_v032_lines_recorded_facts_against_its_tree():
     assert "_canonicalize_fp4_zero_signs_" in (site / "vllm/model_executor/layers/fused_moe/b12x.py").read_text()
     warmup = (site / "vllm/model_executor/warmup/b12x_warmup.py").read_text()
     assert "b12x_warmup_provider" in warmup
-    # The open work: upstream's b12x warm-up walks the target model only, never the draft's.
+    # Upstream's b12x warm-up walks the target model only, never the draft's (what 0014 adds).
     assert "worker.get_model()" in warmup and "get_draft_model" not in warmup
     # vLLM 0.32.0 has an nvfp4_ds_mla of its own (another format): the line maps the seed's away.
     assert "nvfp4_ds_mla" in literal_names(site / "vllm/config/cache.py", "CacheDType")

@@ -58,6 +58,8 @@ class Line:
     series_file: str
     series: tuple[str, ...]  # the patches the series file applies, in order
     ported: tuple[str, ...]  # those of `series` rewritten against this line's release (beside its series file)
+    # Those of `series` new on this line, with no patch of overlay/ behind them (beside its series file).
+    own: tuple[str, ...]
     needs_port: tuple[str, ...]  # kept, but not yet applicable: the line's open work
     dropped: tuple[dict[str, str], ...]  # {patch, taken_in, evidence}
     open_work: dict[str, str]
@@ -120,6 +122,7 @@ def _line(line_id: str, raw: dict[str, Any]) -> Line:
         id=line_id, vllm=raw["vllm"], summary=raw["summary"], lock=raw["lock"], lock_state=raw["lock_state"],
         requirements=raw["requirements"], pins=dict(raw["pins"]), series_file=raw["series_file"],
         series=tuple(series.get("applies", ())), ported=tuple(series.get("ported", ())),
+        own=tuple(series.get("own", ())),
         needs_port=tuple(series.get("needs_port", ())),
         dropped=tuple(dict(d) for d in raw.get("dropped", ())), open_work=dict(raw.get("open_work", {})),
         names={s: tuple(names[s]) for s in SETTINGS},
@@ -160,6 +163,12 @@ def check_data(lines: Lines) -> list[str]:
         if not set(line.ported) <= set(line.series):
             p.append(f"{line.id}: ported {', '.join(sorted(set(line.ported) - set(line.series)))} "
                      "not in the line's series")
+        own, dropped = set(line.own), {d["patch"] for d in line.dropped}
+        if not own <= set(line.series):
+            p.append(f"{line.id}: own {', '.join(sorted(own - set(line.series)))} not in the line's series")
+        for other, what in ((set(line.ported), "ported"), (dropped, "dropped")):
+            if own & other:
+                p.append(f"{line.id}: {', '.join(sorted(own & other))} both own and {what}")
         if set(line.needs_port) & set(line.series):
             p.append(f"{line.id}: {', '.join(sorted(set(line.needs_port) & set(line.series)))} both applies "
                      "and needs a port")

