@@ -106,20 +106,30 @@ def config_check(config_path: Path | None) -> None:
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Model directory (default: model.path from the cluster file).")
 @click.option("--published", is_flag=True,
-              help="Plan for the published DeepSeek V4 Flash checkpoint from dspark's shipped description of "
-                   "its safetensors headers (no model needed); without a cluster file, at the default settings.")
+              help="Plan for a published checkpoint from dspark's shipped description of its safetensors headers "
+                   "(no model needed); without a cluster file, at the default settings.")
+@click.option("--model", "published_model", metavar="NAME",
+              help="With --published: which checkpoint, deepseek-v4-flash (the default), "
+                   "deepseek-v4-flash-vision-exp or deepseek-v4.1-flash.")
+@click.option("--nodes", type=click.IntRange(min=1),
+              help="With --published: plan for this many nodes (tensor_parallel_size = nodes x gpus_per_node; "
+                   "default: the cluster file's).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan_cmd(config_path: Path | None, model_dir: Path | None, published: bool, as_json: bool) -> None:
+def plan_cmd(config_path: Path | None, model_dir: Path | None, published: bool, published_model: str | None,
+             nodes: int | None, as_json: bool) -> None:
     """Memory fit plan: weights per rank, KV cache per token, KV tokens, the longest context."""
     import json
 
     from .plan import PlanError, plan_for_cluster
 
+    if not published and (published_model is not None or nodes is not None):
+        raise click.UsageError("--model and --nodes go with --published")
     try:
         if published:
-            from .plan.published import plan_published
+            from .plan.published import NAME, plan_published
 
-            plan = plan_published(load_cluster(config_path) if config_path or config_found() else None)
+            plan = plan_published(load_cluster(config_path) if config_path or config_found() else None,
+                                  model=published_model or NAME, nodes=nodes)
         else:
             plan = plan_for_cluster(load_cluster(config_path), model_dir)
     except PlanError as e:
