@@ -8,7 +8,7 @@ import pytest
 
 from pairlib import run_dspark
 from dspark import config as C
-from dspark.render import Launch, render
+from dspark.render import API_GUARD_DIR, Launch, render
 from dspark.secret_policy import REDACTED
 
 HERE = Path(__file__).parent
@@ -45,7 +45,9 @@ def cluster():
 def test_golden(node):
     r = run_dspark("render", "--config", str(FIXTURE), "--node", node)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == (HERE / "golden" / f"render-{node}.txt").read_text()
+    # The API guard's directory is where this checkout (or the installed dspark) is.
+    assert r.stdout.replace(str(API_GUARD_DIR), "@API_GUARD_DIR@") == \
+        (HERE / "golden" / f"render-{node}.txt").read_text()
 
 
 def test_head_reproduces_the_seed_command_line(cluster):
@@ -62,6 +64,8 @@ def test_head_reproduces_the_seed_command_line(cluster):
     want.update({"--gpu-memory-utilization": "0.835", "--long-prefill-token-threshold": "1024",
                  "--cudagraph-capture-sizes": "5"})
     want["--shutdown-timeout"] = "60"  # a planned stop drains (supervisor.drain_s)
+    # The API key on every route but /health, and no browser origin (tests/test_api_guard.py).
+    want.update({"--middleware": "dspark_api_guard.GuardEveryRoute", "--allowed-origins": "[]"})
     assert got == want
     # Every multiple of the 6 verify rows up to 12 requests, and the DSpark draft's 5 and 35
     # tokens (1 and 7 requests of 5), which no multiple of 6 rounds to in its graph manager.

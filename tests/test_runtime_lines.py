@@ -67,7 +67,9 @@ def test_the_default_line_named_explicitly_renders_the_golden_launch(tmp_path, n
     assert C.load(path).serving.runtime_line == C.load(FIXTURE).serving.runtime_line == "v0.28.0"
     r = invoke("render", "--config", str(path), "--node", node)
     assert r.exit_code == 0, r.output
-    assert r.output == (HERE / "golden" / f"render-{node}.txt").read_text()
+    from dspark.render import API_GUARD_DIR  # where this checkout is: a placeholder in the golden
+
+    assert r.output.replace(str(API_GUARD_DIR), "@API_GUARD_DIR@") == (HERE / "golden" / f"render-{node}.txt").read_text()
 
 
 def test_the_v032_line_sends_the_seed_moe_backend_as_upstream_b12x_at_w4a16(tmp_path):

@@ -305,6 +305,8 @@ DSPARK_FLAGS = {
     "--skip-tokenizer-init": "serving.skip_tokenizer_init",
     "--speculative-config": "serving.speculative_config",
     "--limit-mm-per-prompt": "serving.limit_mm_per_prompt",
+    "--allowed-origins": "serving.allowed_origins",
+    "--middleware": "nothing (dspark adds its API guard; vLLM takes one list of middleware)",
     "--distributed-executor-backend": "nothing (dspark runs vLLM's mp backend on every node)",
     "--nnodes": "the [[nodes]] list", "-n": "the [[nodes]] list",
     "--node-rank": "the node's rank", "-r": "the node's rank",

@@ -164,6 +164,12 @@ class ServingConfig:
         example={"image": 4},
         source="vLLM's default (unset: 999 of each); vLLM 0.32.0's DeepSeek V4 VL model skips its vision tower at "
                "{image = 0} (models/deepseek_v4/common/vl_model.py)")
+    allowed_origins: list[str] = _f(
+        help="Web origins whose pages may call the API from a browser (CORS, vLLM --allowed-origins); "
+             "empty: none. The API key guards every route but /health either way.",
+        example=["https://chat.example.org"], factory=list,
+        source="dspark's choice: vLLM's default (every origin, \"*\") lets any page a user opens run "
+               "inference on a head the user's browser reaches")
     enable_prefix_caching: bool = _f(True, help="Reuse KV of shared prompt prefixes.", example=True, source=_SEED)
     enable_chunked_prefill: bool = _f(True, help="Split long prompts into scheduler-sized chunks.", example=True,
                                       source=_SEED)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import runtime_lines
 from .config import ENV_NAME, Cluster, NodeConfig
@@ -44,6 +46,12 @@ class Launch:
         return " \\\n".join(lines + [words[0]] + ["  " + w for w in words[1:]]) + "\n"
 
 
+# ASGI middleware vLLM's API server loads (dspark/data/vllm_middleware/dspark_api_guard.py): the API
+# key on every route but /health.
+API_GUARD_DIR = Path(__file__).resolve().parent / "data" / "vllm_middleware"
+API_GUARD = "dspark_api_guard.GuardEveryRoute"
+
+
 def line_settings(cluster: Cluster) -> runtime_lines.Rendered:
     """The cluster's line-dependent settings in its runtime line's names (and the environment the
     line adds for them); raises runtime_lines.LineRefusal for a setting the line cannot honour."""
@@ -67,6 +75,9 @@ def node_env(cluster: Cluster, node: NodeConfig, gid_index: str | None = None) -
     if gid is not None and gid != "auto":
         env["NCCL_IB_GID_INDEX"] = gid
     env.update(node.env)
+    # vLLM imports dspark's API guard (--middleware, vllm_argv) from this directory, ahead of any
+    # path the cluster file gives.
+    env["PYTHONPATH"] = os.pathsep.join([str(API_GUARD_DIR), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -117,6 +128,11 @@ def vllm_argv(cluster: Cluster, node: NodeConfig) -> list[str]:
         argv += ["--speculative-config", json.dumps(s.speculative_config, separators=(",", ":"))]
     if s.limit_mm_per_prompt is not None:
         argv += ["--limit-mm-per-prompt", json.dumps(s.limit_mm_per_prompt, separators=(",", ":"))]
+    if node.is_head:
+        # vLLM's own key check guards /v1 only, and its CORS default lets every origin in: the
+        # key guards every route but /health (API_GUARD), and only the origins the cluster file
+        # names may call the API from a browser.
+        argv += ["--middleware", API_GUARD, "--allowed-origins", json.dumps(s.allowed_origins)]
     argv += ["--distributed-executor-backend", "mp"]
     if len(cluster.nodes) > 1:
         argv += [
