@@ -166,9 +166,9 @@ def check_data(lines: Lines) -> list[str]:
         own, dropped = set(line.own), {d["patch"] for d in line.dropped}
         if not own <= set(line.series):
             p.append(f"{line.id}: own {', '.join(sorted(own - set(line.series)))} not in the line's series")
-        for other, what in ((set(line.ported), "ported"), (dropped, "dropped")):
-            if own & other:
-                p.append(f"{line.id}: {', '.join(sorted(own & other))} both own and {what}")
+        for listed, what in ((set(line.ported), "ported"), (dropped, "dropped")):
+            if own & listed:
+                p.append(f"{line.id}: {', '.join(sorted(own & listed))} both own and {what}")
         if set(line.needs_port) & set(line.series):
             p.append(f"{line.id}: {', '.join(sorted(set(line.needs_port) & set(line.series)))} both applies "
                      "and needs a port")

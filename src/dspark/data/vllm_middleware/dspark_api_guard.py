@@ -36,22 +36,23 @@ class GuardEveryRoute:
         key = os.environ.get(KEY_ENV) if key is None else key
         self.key = _digest(key) if key else None
 
-    def _allowed(self, scope) -> bool:
+    def _allowed(self, scope, key: bytes) -> bool:
         for name, value in scope.get("headers") or ():
             if name.lower() == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and secrets.compare_digest(_digest(token.strip()), self.key)
+                return scheme.lower() == "bearer" and secrets.compare_digest(_digest(token.strip()), key)
         return False
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.key is None or scope.get("type") not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+        key = self.key
+        if key is None or scope.get("type") not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
-        if path.rstrip("/") in OPEN_PATHS or self._allowed(scope):
+        if path.rstrip("/") in OPEN_PATHS or self._allowed(scope, key):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
