@@ -61,3 +61,36 @@ def test_v0_28_0_has_no_deepseek_v4_vision_model():
     assert R.load().lines["v0.28.0"].deepseek_v4_vision is None
     out = probe(sys.executable, vision_exp_config())
     assert out["registry_has_vl"] is False
+
+
+CHAT = r"""
+import json, sys, warnings
+warnings.simplefilter("ignore")
+from vllm.tokenizers.deepseek_v4_encoding import encode_messages
+messages = [{"role": "user", "content": [
+    {"type": "text", "text": "What is in this picture?"},
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]
+try:
+    out = {"prompt": encode_messages(messages, thinking_mode="chat")}
+except Exception as e:  # the release's own refusal, reported
+    out = {"error": f"{type(e).__name__}: {e}"}
+print("@@" + json.dumps(out))
+"""
+
+
+def chat_prompt(python) -> dict:
+    r = subprocess.run([str(python), "-c", CHAT], capture_output=True, text=True, timeout=300, check=False)
+    found = [line for line in r.stdout.splitlines() if line.startswith("@@")]
+    assert found, f"the chat probe did not report:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return json.loads(found[0][2:])
+
+
+def test_the_chat_template_the_line_renders_places_the_image(python_032):
+    """`--tokenizer-mode deepseek_v4` (config_schema.SEED_EXTRA_ARGS, the chat template of DeepSeek V4
+    checkpoints): vLLM 0.32.0's encoder puts the image placeholder where an image_url part is, which
+    the VL model's processor expands to the image's tokens; 0.28.0's has no image part."""
+    out = chat_prompt(python_032)
+    assert out.get("prompt", "").count("<｜deepseek_image｜>") == 1, out
+    assert "What is in this picture?" in out["prompt"]
+    old = chat_prompt(sys.executable)
+    assert "<｜deepseek_image｜>" not in old.get("prompt", ""), old
