@@ -174,7 +174,9 @@ class ServingConfig:
     enable_chunked_prefill: bool = _f(True, help="Split long prompts into scheduler-sized chunks.", example=True,
                                       source=_SEED)
     async_scheduling: bool = _f(True, help="Overlap scheduling with execution.", example=True, source=_SEED)
-    moe_backend: str | None = _f("flashinfer_b12x", help="MoE experts backend (flashinfer_b12x needs the overlay).",
+    moe_backend: str | None = _f("flashinfer_b12x", help="MoE experts backend: flashinfer_b12x is b12x at W4A16 "
+                                                         "(the overlay's on v0.28.0, upstream's b12x on v0.32.0); on "
+                                                         "v0.32.0 \"b12x\" asks for upstream's W4A8, unmeasured on GB10.",
                                  example="flashinfer_b12x", source=_BOTH)
     long_prefill_token_threshold: int | None = _f(
         1024, help="Longest prefill chunk one request gets per scheduler step (vLLM "
