@@ -207,8 +207,10 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                 self.handle_one_request()
                 self.close_connection = True
 
-        super().__init__(address, OneRequest)
+        # Before the bind: a port already taken makes socketserver call server_close(), which
+        # stops the reader (it was an AttributeError, and the bind's own error was lost).
         self._heads = _HeadReader(self._head_done, self.shutdown_request, self.timeout_s)
+        super().__init__(address, OneRequest)
 
     def serve_forever(self, poll_interval: float = STOP_POLL_S) -> None:
         """socketserver's loop, which sees shutdown() only between waits: with its default
