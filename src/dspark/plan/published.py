@@ -50,6 +50,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 from .facts import GiB, ModelFacts, PlanError, TensorInfo
+from .published_blocks import Tensors
 from .published_vision import Tensor, replicated_by_vllm, vision_tensors
 from . import published_v41
 
@@ -97,42 +98,16 @@ def dsv4_tensors(cfg: dict) -> list[Tensor]:
     from the config."""
     h = cfg["hidden_size"]
     vocab = cfg["vocab_size"]
-    heads, head_dim = cfg["num_attention_heads"], cfg["head_dim"]
-    q_rank, o_rank, groups = cfg["q_lora_rank"], cfg["o_lora_rank"], cfg["o_groups"]
+    head_dim, q_rank = cfg["head_dim"], cfg["q_lora_rank"]
     inter, experts = cfg["moe_intermediate_size"], cfg["n_routed_experts"]
     hc = cfg["hc_mult"]
-    hc_mix = (2 + hc) * hc
     idx_heads, idx_dim = cfg["index_n_heads"], cfg["index_head_dim"]
     vision = int(cfg.get("vision_n_layers") or 0) > 0
-    out: list[Tensor] = []
-
-    def t(name: str, dtype: str, *shape: int) -> None:
-        out.append((name, dtype, shape))
-
-    def fp8(name: str, rows: int, cols: int) -> None:
-        t(f"{name}.weight", "F8_E4M3", rows, cols)
-        t(f"{name}.scale", "F8_E8M0", math.ceil(rows / 128), math.ceil(cols / 128))
-
-    def mxfp4(name: str, rows: int, cols: int) -> None:
-        t(f"{name}.weight", "I8", rows, cols // 2)
-        t(f"{name}.scale", "F8_E8M0", rows, math.ceil(cols / 32))
+    rows = Tensors()
+    out, t, fp8, mxfp4 = rows.out, rows.t, rows.fp8, rows.mxfp4
 
     def layer(p: str, ratio: int, hashed: bool) -> None:
-        t(f"{p}.attn_norm.weight", "BF16", h)
-        t(f"{p}.ffn_norm.weight", "BF16", h)
-        for part in ("attn", "ffn"):
-            t(f"{p}.hc_{part}_fn", "F32", hc_mix, hc * h)
-            t(f"{p}.hc_{part}_scale", "F32", 3)
-            t(f"{p}.hc_{part}_base", "F32", hc_mix)
-        t(f"{p}.attn.q_norm.weight", "BF16", q_rank)
-        t(f"{p}.attn.kv_norm.weight", "BF16", head_dim)
-        t(f"{p}.attn.attn_sink", "F32", heads)
-        fp8(f"{p}.attn.wq_a", q_rank, h)
-        fp8(f"{p}.attn.wq_b", heads * head_dim, q_rank)
-        fp8(f"{p}.attn.wkv", head_dim, h)
-        fp8(f"{p}.attn.wo_a", groups * o_rank, heads * head_dim // groups)
-        fp8(f"{p}.attn.wo_b", h, groups * o_rank)
-        t(f"{p}.ffn.gate.weight", "BF16", experts, h)
+        rows.layer_head(p, cfg, experts)
         if hashed:
             t(f"{p}.ffn.gate.tid2eid", "I64", vocab, cfg["num_experts_per_tok"])
         if not hashed or vision:

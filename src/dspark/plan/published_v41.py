@@ -39,6 +39,7 @@ import json
 import math
 from importlib import resources
 
+from .published_blocks import Tensors
 from .published_vision import Tensor, vision_tensors
 
 NAME = "deepseek-v4.1-flash"
@@ -104,10 +105,8 @@ def engram_rows_per_rank(cfg: dict, tp: int) -> list[int]:
 def dsv41_tensors(cfg: dict) -> list[Tensor]:
     """(name, dtype, shape) of every tensor, derived from the flat config."""
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
-    heads, head_dim = cfg["num_attention_heads"], cfg["head_dim"]
-    q_rank, o_rank, groups = cfg["q_lora_rank"], cfg["o_lora_rank"], cfg["o_groups"]
+    head_dim, q_rank = cfg["head_dim"], cfg["q_lora_rank"]
     inter, hc = cfg["moe_intermediate_size"], cfg["hc_mult"]
-    hc_mix = (2 + hc) * hc
     idx_heads, idx_dim = cfg["index_n_heads"], cfg["index_head_dim"]
     row_block, col_block = cfg["quantization_config"]["weight_block_size"]
     ratios, n_layers = cfg["compress_ratios"], cfg["num_hidden_layers"]
@@ -115,35 +114,11 @@ def dsv41_tensors(cfg: dict) -> list[Tensor]:
     engram = dict(zip(cfg["engram_layer_ids"], cfg["engram_num_embeddings"]))
     engram_dim = cfg["engram_head_dim"]
     engram_in = (cfg["engram_max_ngram_size"] - 1) * cfg["engram_n_heads"] * engram_dim
-    out: list[Tensor] = []
-
-    def t(name: str, dtype: str, *shape: int) -> None:
-        out.append((name, dtype, shape))
-
-    def fp8(name: str, rows: int, cols: int) -> None:
-        t(f"{name}.weight", "F8_E4M3", rows, cols)
-        t(f"{name}.scale", "F8_E8M0", math.ceil(rows / row_block), math.ceil(cols / col_block))
-
-    def mxfp4(name: str, rows: int, cols: int) -> None:
-        t(f"{name}.weight", "I8", rows, cols // 2)
-        t(f"{name}.scale", "F8_E8M0", rows, math.ceil(cols / 32))
+    rows = Tensors((row_block, col_block))
+    out, t, fp8, mxfp4 = rows.out, rows.t, rows.fp8, rows.mxfp4
 
     def layer(p: str, i: int, experts: int) -> None:
-        t(f"{p}.attn_norm.weight", "BF16", h)
-        t(f"{p}.ffn_norm.weight", "BF16", h)
-        for part in ("attn", "ffn"):
-            t(f"{p}.hc_{part}_fn", "F32", hc_mix, hc * h)
-            t(f"{p}.hc_{part}_scale", "F32", 3)
-            t(f"{p}.hc_{part}_base", "F32", hc_mix)
-        t(f"{p}.attn.q_norm.weight", "BF16", q_rank)
-        t(f"{p}.attn.kv_norm.weight", "BF16", head_dim)
-        t(f"{p}.attn.attn_sink", "F32", heads)
-        fp8(f"{p}.attn.wq_a", q_rank, h)
-        fp8(f"{p}.attn.wq_b", heads * head_dim, q_rank)
-        fp8(f"{p}.attn.wkv", head_dim, h)
-        fp8(f"{p}.attn.wo_a", groups * o_rank, heads * head_dim // groups)
-        fp8(f"{p}.attn.wo_b", h, groups * o_rank)
-        t(f"{p}.ffn.gate.weight", "BF16", experts, h)
+        rows.layer_head(p, cfg, experts)
         t(f"{p}.ffn.gate.bias", "F32", experts)
         t(f"{p}.ffn.gate.bias_vl", "F32", experts)
         fp8(f"{p}.ffn.shared_experts.w1", inter, h)
