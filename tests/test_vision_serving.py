@@ -63,7 +63,7 @@ def test_limit_is_rendered_as_json_and_vllm_parses_it(tmp_path, vllm):  # noqa: 
 
 @pytest.mark.parametrize("table, said", [
     ({"picture": 2}, "serving.limit_mm_per_prompt.picture: not a modality vLLM limits"),
-    ({"image": -1}, "serving.limit_mm_per_prompt.image: -1 is out of range"),
+    ({"image": -1}, "serving.limit_mm_per_prompt.image: must be a whole number in [0, 1024], got -1"),
     ({"image": "four"}, "serving.limit_mm_per_prompt: expected a table, got { image = \"four\" }"),
 ])
 def test_a_bad_limit_is_refused_by_name(tmp_path, table, said):

@@ -174,13 +174,10 @@ def check(c: Cluster) -> list[str]:
                      f"largest of cudagraph_capture_sizes ({max(s.cudagraph_capture_sizes)}); set one of them")
     p += _graph_coverage_problems(s)
     if s.limit_mm_per_prompt is not None:
-        for modality, count in s.limit_mm_per_prompt.items():
-            if modality not in MODALITIES:
+        for modality in s.limit_mm_per_prompt:
+            if modality not in MODALITIES:  # the counts' range: check_ranges
                 p.append(f"serving.limit_mm_per_prompt.{toml_key(modality)}: not a modality vLLM limits; "
                          f"use one of {', '.join(MODALITIES)}, e.g. limit_mm_per_prompt = {{image = 4}}")
-            elif not 0 <= count <= 1024:
-                p.append(f"serving.limit_mm_per_prompt.{modality}: {count} is out of range; write a count in "
-                         "[0, 1024] (0: none of them in a prompt)")
     if s.speculative_config is not None:
         n = s.speculative_config.get("num_speculative_tokens", 0)
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64:
@@ -515,8 +512,14 @@ def check_ranges(c: Cluster) -> list[str]:
             value, bounds = getattr(obj, f.name), f.metadata.get("bounds")
             if bounds is None or value is None or isinstance(value, bool):
                 continue
+            name = f.name
             if isinstance(value, list):  # a list of numbers: every item within the range
                 value = next((v for v in value if not bounds[0] <= v <= bounds[1]), None)
+                if value is None:
+                    continue
+            elif isinstance(value, dict):  # a table of numbers (by name): every value within the range
+                name, value = next(((f"{f.name}.{toml_key(k)}", v) for k, v in value.items()
+                                    if not bounds[0] <= v <= bounds[1]), (name, None))
                 if value is None:
                     continue
             lo, hi = bounds
@@ -531,7 +534,7 @@ def check_ranges(c: Cluster) -> list[str]:
                 what = f"a whole number in [{lo:g}, {hi:g}]"
             else:
                 what = f"in {'(' if positive else '['}{lo:g}, {hi:g}] (a finite number)"
-            p.append(f"{where}.{f.name}: must be {what}, got {value}; write e.g. "
+            p.append(f"{where}.{name}: must be {what}, got {value}; write e.g. "
                      f"{f.name} = {toml_value(f.metadata.get('example'))}")
     return p
 

@@ -161,7 +161,7 @@ class ServingConfig:
         None, help="Images (or other media) one prompt may carry, by modality (vLLM --limit-mm-per-prompt); "
                    "omit for vLLM's own limit. A multimodal checkpoint (DeepSeek-V4-Flash-Vision-Exp) needs a "
                    "runtime line that serves it (v0.32.0); {image = 0} serves it as text only.",
-        example={"image": 4},
+        example={"image": 4}, bounds=(0, 1024),
         source="vLLM's default (unset: 999 of each); vLLM 0.32.0's DeepSeek V4 VL model skips its vision tower at "
                "{image = 0} (models/deepseek_v4/common/vl_model.py)")
     allowed_origins: list[str] = _f(
