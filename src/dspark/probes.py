@@ -11,25 +11,44 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
+from urllib.parse import urlsplit
 
 from . import vllm_facts
 from .agent_client import AgentAnswer, fetch_state
 from .http import HTTPFailure, get_object, request
 from .liveness import LivenessJudge, Progress, Verdict, read_progress
+from .port_owner import foreign_listener
 from .states import Liveness
 
 T = TypeVar("T")
 
 
 class VllmProbes:
-    """Probes of one node's vLLM API (the head's)."""
+    """Probes of one node's vLLM API (the head's). With `group` (the process group of the vLLM
+    the supervisor started), no probe is sent while the API port's listener is another process's
+    (dspark.port_owner): it would get the API key with the probe and pass for vLLM; `foreign`
+    then says who holds the port."""
 
-    def __init__(self, api_url: str, served_name: str, api_key: str | None = None):
+    def __init__(self, api_url: str, served_name: str, api_key: str | None = None,
+                 group: Callable[[], int | None] | None = None):
         self.api_url = api_url.rstrip("/")
         self.served_name = served_name
         self.api_key = api_key
+        self.group = group
+        self.port = urlsplit(self.api_url).port or 80
+        self.foreign: str | None = None
+
+    def _ours(self) -> bool:
+        """The API port is ours to probe (nobody else listens on it)."""
+        if self.group is None:
+            return True
+        group = self.group()
+        self.foreign = None if group is None else foreign_listener(self.port, group)
+        return group is not None and self.foreign is None
 
     def health(self, timeout: float = 1.0) -> bool:
+        if not self._ours():
+            return False
         try:
             return request(self.api_url + vllm_facts.HEALTH, timeout=timeout, token=self.api_key).status == 200
         except HTTPFailure:
@@ -39,6 +58,8 @@ class VllmProbes:
         """A real 1-token completion (a token-id prompt works with or without a tokenizer)."""
         body = {"model": self.served_name, "prompt": [0], "max_tokens": 1, "temperature": 0}
         t0 = time.time()
+        if not self._ours():
+            return Liveness(ok=False, at=t0, error=self.foreign or "vLLM is not running")
         try:
             r = request(self.api_url + vllm_facts.COMPLETIONS, data=body, timeout=timeout, token=self.api_key)
         except HTTPFailure as e:
@@ -53,6 +74,8 @@ class VllmProbes:
 
     def progress(self, timeout: float) -> Progress | None:
         """vLLM's work counters from /metrics, or None when there is no usable answer."""
+        if not self._ours():
+            return None
         try:
             r = request(self.api_url + vllm_facts.METRICS, timeout=timeout, token=self.api_key)
             return read_progress(r.body.decode("utf-8", "replace")) if r.status == 200 else None
@@ -60,6 +83,8 @@ class VllmProbes:
             return None
 
     def version(self, timeout: float = 2.0) -> str | None:
+        if not self._ours():
+            return None
         try:
             v = get_object(self.api_url + vllm_facts.VERSION, timeout=timeout, token=self.api_key).get("version")
         except (HTTPFailure, AttributeError):
