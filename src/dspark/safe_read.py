@@ -1,7 +1,8 @@
 """The one way dspark reads a file it did not write, and a JSON text it did not write.
 
 Every such file (the cluster file, the model's config.json and index, each safetensors
-header, the API key and token files, the bench reports) is opened here:
+header, the API key and token files, the bench reports, a node's state files through
+dspark.state_io) is opened here:
 
 - without blocking (O_NONBLOCK), then refused unless it is a regular file: a FIFO would hang
   the reader, a link to /dev/zero or /dev/urandom would grow it without end;
@@ -40,21 +41,34 @@ class JSONRefused(ValueError):
 
 
 @contextmanager
-def open_regular(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """`path` opened for reading without blocking; NotRegularFile unless it is a regular file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True) -> Iterator[BinaryIO]:
+    """`path` opened for reading without blocking; NotRegularFile unless it is a regular file
+    (nor a symbolic link, with `follow_symlinks=False`: a state file, in a directory another
+    user writes, dspark.state_io)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_symlinks:
+            raise NotRegularFile(errno.ELOOP, "a symbolic link, not followed", str(path)) from None
+        raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket or special file")
-            raise NotRegularFile(errno.EINVAL, f"not a regular file ({kind})", str(path))
+            raise NotRegularFile(errno.EINVAL, f"not a regular file ({file_kind(mode)})", str(path))
         f = os.fdopen(fd, "rb", buffering=0)
     except BaseException:
         os.close(fd)
         raise
     with f:
         yield f
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, from its st_mode."""
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a symbolic link" if stat.S_ISLNK(mode) else "a socket or special file")
 
 
 def read_at_most(f: BinaryIO, n: int) -> bytes:
@@ -130,5 +144,5 @@ def describe(e: OSError, path: str | os.PathLike | None = None) -> str:
     return f"{where}: {why}" if where else why
 
 
-__all__ = ["FileTooLarge", "JSONRefused", "MAX_JSON_DEPTH", "NotRegularFile", "describe", "open_regular",
+__all__ = ["FileTooLarge", "JSONRefused", "MAX_JSON_DEPTH", "NotRegularFile", "describe", "file_kind", "open_regular",
            "parse_json", "read_at_most", "read_bytes", "read_json", "read_text"]
