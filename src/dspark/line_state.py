@@ -23,6 +23,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import state_io
+from .safe_read import parse_json
+
 FILE = "runtime-line.json"
 
 
@@ -43,7 +46,7 @@ class Switch:
             return None
         try:
             return cls(str(d["id"]), str(d["from"]), str(d["to"]), float(d["at"]), bool(d.get("rollback", False)))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: an "at" past a float's range
             return None
 
 
@@ -63,27 +66,31 @@ def path(state_dir: Path) -> Path:
     return Path(state_dir) / FILE
 
 
+def _parse(data: bytes) -> LineState:
+    """The state file's content; CorruptState (a ValueError) when it is not one."""
+    d = parse_json(data, max_bytes=state_io.MAX_STATE_BYTES, max_depth=state_io.STATE_JSON_DEPTH)
+    if not isinstance(d, dict):
+        raise state_io.CorruptState(f"{state_io.json_kind(d)}, not an object")
+    line, file_line, sw = d.get("line"), d.get("file_line"), d.get("switch")
+    if not isinstance(line, str) or not isinstance(file_line, str) or not line or not file_line:
+        raise state_io.CorruptState("no line and file_line (two line names)")
+    switch = Switch.from_json(sw) if sw is not None else None
+    if sw is not None and switch is None:
+        raise state_io.CorruptState("its switch is not a switch record (id, from, to, at)")
+    return LineState(line, file_line, switch)
+
+
 def read(state_dir: Path | None) -> LineState | None:
-    """The state file, or None when there is none (or it cannot be read: the file's line holds)."""
+    """The state file, or None when there is none. One that is not a state file (a FIFO, a link,
+    not JSON, the wrong shape) is moved aside with a warning (dspark.state_io): the file's line holds."""
     if state_dir is None:
         return None
-    try:
-        d = json.loads(path(state_dir).read_text())
-        line, file_line = d["line"], d["file_line"]
-        if not isinstance(line, str) or not isinstance(file_line, str) or not line or not file_line:
-            return None
-        return LineState(line, file_line, Switch.from_json(d.get("switch")))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return state_io.read_state(path(state_dir), _parse, None, default_is="the cluster file's runtime line")
 
 
 def write(state_dir: Path, state: LineState) -> None:
-    """Atomically (a reader sees the old file or the new one, never half of one)."""
-    p = path(state_dir)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(state.to_json()) + "\n")
-    os.replace(tmp, p)
+    """Atomically and durably (a reader sees the old file or the new one, never half of one)."""
+    state_io.write_atomic(path(state_dir), json.dumps(state.to_json()) + "\n")
 
 
 def current(state_dir: Path | None, file_line: str) -> LineState:
@@ -98,6 +105,6 @@ def mtime(state_dir: Path | None) -> float | None:
     if state_dir is None:
         return None
     try:
-        return path(state_dir).stat().st_mtime_ns / 1e9
+        return os.lstat(path(state_dir)).st_mtime_ns / 1e9  # a link is read as one (refused), not followed
     except OSError:
         return None

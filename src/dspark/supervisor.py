@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from . import hardware, line_state
+from . import hardware, line_state, state_io
 from . import log as L
 from . import states as S
 from .agent import Agent
@@ -35,11 +35,19 @@ from .notify import Notifier
 from .probes import Background, VllmProbes, liveness_round, poll_agents, ready_probe
 from .rdma import resolve_gid_index  # noqa: F401 (re-exported: its old home)
 from .render import Launch, render
+from .safe_read import parse_json
 from .signals import SignalQueue
 from .vllm_process import GROUP_GONE_S, VllmProcess
 
 FAILURES_FILE = "failures.json"
+STARTS_FILE = "starts"
 STOPPED_LINGER_S = 1.5  # how long the agent keeps answering after a clean stop
+# Counters read back from the state directory are clamped: backoff_delay's 5 * 2**(n - 2) s is
+# past a float's range from n = 1026 (about 14 days of a node waiting for its peer), and has
+# long been BACKOFF_MAX_S by n = 8.
+MAX_FAILURES = 1000
+MAX_STARTS = 10**9
+MAX_STARTS_BYTES = 64  # a count and a newline
 
 
 class FailureHistory:
@@ -52,20 +60,28 @@ class FailureHistory:
         self.path = Path(state_dir) / FAILURES_FILE
 
     def load(self) -> tuple[int, str]:
-        try:
-            d = json.loads(self.path.read_text())
-            return max(0, int(d.get("consecutive", 0))), str(d.get("last", ""))
-        except (OSError, ValueError, TypeError, AttributeError):
-            return 0, ""
+        """(consecutive failed runs, the last one's reason); a file of another shape is moved aside
+        (dspark.state_io) and the node starts without a backoff."""
+        return state_io.read_state(self.path, _parse_failures, (0, ""), default_is="no failed runs (no backoff)")
 
     def save(self, consecutive: int, last: str = "") -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps({"consecutive": consecutive, "last": last, "at": time.time()}) + "\n")
-            tmp.replace(self.path)
+            state_io.write_atomic(self.path, json.dumps({"consecutive": min(max(0, consecutive), MAX_FAILURES),
+                                                         "last": last, "at": time.time()}) + "\n")
         except OSError:
             pass
+
+
+def _parse_failures(data: bytes) -> tuple[int, str]:
+    d = parse_json(data, max_bytes=state_io.MAX_STATE_BYTES, max_depth=state_io.STATE_JSON_DEPTH)
+    if not isinstance(d, dict):
+        raise state_io.CorruptState(f"{state_io.json_kind(d)}, not an object")
+    n, last = d.get("consecutive", 0), d.get("last", "")
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise state_io.CorruptState(f"consecutive is {state_io.json_kind(n)} ({str(n)[:40]}), not a count")
+    if not isinstance(last, str):
+        raise state_io.CorruptState(f"last is {state_io.json_kind(last)}, not a text")
+    return min(max(0, n), MAX_FAILURES), last
 
 
 class Supervisor:
@@ -343,17 +359,27 @@ def _clear_starts(state_dir: Path | None) -> None:
     """After a clean stop: the restart count is of this running node, not of every start ever."""
     if state_dir is not None:
         try:
-            (Path(state_dir) / "starts").unlink(missing_ok=True)
+            (Path(state_dir) / STARTS_FILE).unlink(missing_ok=True)
         except OSError:
             pass
 
 
+def _parse_starts(data: bytes) -> int:
+    text = data.decode("ascii", "replace").strip()
+    if not text.isdigit():
+        raise state_io.CorruptState(f"{text[:20]!r} is not a count")
+    return min(int(text), MAX_STARTS)
+
+
+def _starts(state_dir: Path) -> int:
+    """The starts recorded (0 without a file; one of another shape is moved aside: dspark.state_io)."""
+    return state_io.read_state(Path(state_dir) / STARTS_FILE, _parse_starts, 0, default_is="a start count of 0",
+                               max_bytes=MAX_STARTS_BYTES)
+
+
 def _read_starts(state_dir: Path | None) -> int:
     """The restarts already counted (a switch's next run is the same start)."""
-    try:
-        return max(0, int((Path(state_dir) / "starts").read_text().strip()) - 1) if state_dir else 0
-    except (OSError, ValueError):
-        return 0
+    return max(0, _starts(state_dir) - 1) if state_dir else 0
 
 
 def _count_start(state_dir: Path | None) -> int:
@@ -361,14 +387,9 @@ def _count_start(state_dir: Path | None) -> int:
     the state directory since then (a clean stop clears them), minus one."""
     if state_dir is None:
         return 0
-    path = Path(state_dir) / "starts"
+    starts = _starts(state_dir)
     try:
-        starts = int(path.read_text().strip()) if path.exists() else 0
-    except (OSError, ValueError):
-        starts = 0
-    try:
-        Path(state_dir).mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{starts + 1}\n")
+        state_io.write_atomic(Path(state_dir) / STARTS_FILE, f"{min(starts + 1, MAX_STARTS)}\n")
     except OSError:
         pass
     return starts
