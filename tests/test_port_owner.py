@@ -58,8 +58,8 @@ def recorder(tmp_path):
     """start(own_group) -> (process, port, log path); every process is ended by its PID."""
     procs: list[subprocess.Popen] = []
 
-    def start(own_group: bool):
-        port, log = free_port(), tmp_path / f"requests-{len(procs)}.jsonl"
+    def start(own_group: bool, port: int | None = None):
+        port, log = port or free_port(), tmp_path / f"requests-{len(procs)}.jsonl"
         p = subprocess.Popen([sys.executable, "-c", RECORDER, str(port), str(log)], stdout=subprocess.PIPE,
                              text=True, process_group=0 if own_group else None)
         procs.append(p)
@@ -128,3 +128,20 @@ def test_the_probes_reach_our_own_vllm(recorder):
     assert [path for path, _ in requests_seen(log)] == ["/health", "/v1/completions"]
     # Before vLLM is started there is no group: nothing is sent.
     assert VllmProbes(f"http://127.0.0.1:{port}", "m", group=lambda: None).health() is False
+
+
+def test_a_head_whose_api_port_is_taken_sends_it_nothing(tmp_path, recorder, serve):
+    """The supervisor's own probes (the stand-in vLLM loads for 3 s, then finds the port taken
+    and exits): the squatter gets no request, so no key, and the head never reports serving."""
+    from standin_lib import write_cluster
+
+    from dspark import config as C
+
+    cluster = write_cluster(tmp_path)
+    port = C.load(cluster).node("h").api_port
+    _, _, log = recorder(own_group=False, port=port)
+    s = serve(cluster, "h", STANDIN_READY_DELAY="3", DSPARK_API_KEY="sk-secret")
+    rc = s.wait(timeout=120)
+    assert rc != 0
+    assert "READY=1" not in " ".join(s.messages)
+    assert requests_seen(log) == []

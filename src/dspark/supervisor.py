@@ -121,7 +121,9 @@ class Supervisor:
                              logging.WARNING)
             launch = render(cluster, node, gid)
         self.vllm = VllmProcess(launch, dict(os.environ if env is None else env), api_key=api_key)
-        self.probes = VllmProbes(node.api_url, cluster.model.served_name, api_key)
+        # Probes (and the key) go only to the vLLM this supervisor started: its process group,
+        # once it runs (dspark.port_owner).
+        self.probes = VllmProbes(node.api_url, cluster.model.served_name, api_key, group=lambda: self.vllm.pid)
         # The line this run is on (cluster, from dspark.line_state) and the cluster file's own.
         self.file_line = file_line or cluster.serving.runtime_line
         self._line_mtime: float | None = None
