@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 from . import states as A
-from .agent_client import agent_state  # the one client of the agents (re-exported)
+from .agent_client import AgentAnswer, agent_state, fetch_state  # the one client of the agents (re-exported)
 from . import vllm_facts
 from .config import Cluster
 from .http import HTTPFailure, get_object, request
@@ -51,34 +52,87 @@ def wait_for_workers(
         time.sleep(poll_s)
 
 
+def _text(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _pid(v: Any) -> bool:
+    return _count(v) and v > 0
+
+
+def _seconds(v: Any) -> TypeGuard[float]:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _object(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+# The fields of an agent's /state that status shows, each with the type it must have. A value of
+# another type (a peer's bug or a hostile answer) is left out of the snapshot and named in the
+# node's "invalid" list: the table shows "?" there, the rest of the row as usual.
+AGENT_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "detail": _text, "runtime_line": _text, "line_switch": _object, "vllm_pid": _pid, "vllm_version": _text,
+    "restarts": _count, "uptime_s": _seconds, "liveness": _object}
+
+
+def node_row(name: str, rank: int, agent_url: str, answer: AgentAnswer) -> dict:
+    """One node of the snapshot from its agent's answer: every AGENT_FIELDS field of the type
+    it must have or None; an unreachable node's detail says why it is."""
+    s = answer.state or {}
+    row: dict[str, Any] = {"name": name, "rank": rank, "agent": agent_url, "reachable": answer.state is not None,
+                           "state": s.get("state", "unreachable")}  # a str: fetch_state refuses any other
+    invalid = []
+    for field, valid in AGENT_FIELDS.items():
+        value = s.get(field)
+        if value is not None and not valid(value):
+            invalid.append(field)
+            value = None
+        row[field] = value
+    if row["detail"] is None and "detail" not in invalid:
+        row["detail"] = "" if answer.state is not None else answer.error
+    row["invalid"] = invalid
+    return row
+
+
 def collect(cluster: Cluster, token: str | None = None) -> dict:
     """Both nodes' agents and the head's API in one snapshot."""
-    nodes = []
-    for n in sorted(cluster.nodes, key=lambda n: n.rank):
-        s = agent_state(n.agent_url)
-        nodes.append({"name": n.name, "rank": n.rank, "agent": n.agent_url, "reachable": s is not None,
-                      "state": (s or {}).get("state", "unreachable"), "detail": (s or {}).get("detail", ""),
-                      "runtime_line": (s or {}).get("runtime_line"), "line_switch": (s or {}).get("line_switch"),
-                      "vllm_pid": (s or {}).get("vllm_pid"), "vllm_version": (s or {}).get("vllm_version"),
-                      "restarts": (s or {}).get("restarts"), "uptime_s": (s or {}).get("uptime_s"),
-                      "liveness": (s or {}).get("liveness")})
+    nodes = [node_row(n.name, n.rank, n.agent_url, fetch_state(n.agent_url))
+             for n in sorted(cluster.nodes, key=lambda n: n.rank)]
     api: dict[str, Any] = {"url": cluster.head.api_url, "health": None, "version": None}
     try:
         api["health"] = request(cluster.head.api_url + vllm_facts.HEALTH, timeout=2.0, token=token).status
-        api["version"] = get_object(cluster.head.api_url + vllm_facts.VERSION, timeout=2.0, token=token).get("version")
-    except (HTTPFailure, KeyError, TypeError):
+        version = get_object(cluster.head.api_url + vllm_facts.VERSION, timeout=2.0, token=token).get("version")
+        api["version"] = version if isinstance(version, str) else None
+    except HTTPFailure:
         pass
     serving = all(n["state"] == A.SERVING for n in nodes) and api["health"] == 200
     return {"serving": serving, "nodes": nodes, "api": api}
 
 
+def _cell(node: dict, field: str, show: Callable[[Any], str] = str, absent: str = "-") -> str:
+    """A node's field for the table: `?` when the agent sent it with the wrong type."""
+    if field in node.get("invalid", ()):
+        return "?"
+    value = node.get(field)
+    return absent if value is None else show(value)
+
+
+def _said(value: Any) -> str:
+    """A free-text field inside an agent's nested report (liveness, line_switch), as text."""
+    return value if isinstance(value, str) else "?"
+
+
 def render_table(snap: dict) -> str:
     rows = [("NODE", "RANK", "STATE", "LINE", "VLLM PID", "RESTARTS", "UPTIME", "DETAIL")]
     for n in snap["nodes"]:
-        up = n["uptime_s"]
-        rows.append((n["name"], str(n["rank"]), n["state"], n.get("runtime_line") or "-", str(n["vllm_pid"] or "-"),
-                     str(n["restarts"] if n["restarts"] is not None else "-"),
-                     f"{up:.0f}s" if up is not None else "-", n["detail"]))
+        rows.append((n["name"], str(n["rank"]), n["state"], _cell(n, "runtime_line") or "-", _cell(n, "vllm_pid"),
+                     _cell(n, "restarts"), _cell(n, "uptime_s", lambda up: f"{up:.0f}s"),
+                     _cell(n, "detail", absent="")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     api = snap["api"]
@@ -92,9 +146,9 @@ def render_table(snap: dict) -> str:
     for n in snap["nodes"]:
         sw = n.get("line_switch")
         if isinstance(sw, dict):
-            what = "rolling back" if sw.get("rollback") else "switching"
-            lines.append(f"runtime line: {what} {sw.get('from')} -> {sw.get('to')} ({sw.get('id')}; dspark switch "
-                         "--history on the head)")
+            what = "rolling back" if sw.get("rollback") is True else "switching"
+            lines.append(f"runtime line: {what} {_said(sw.get('from'))} -> {_said(sw.get('to'))} "
+                         f"({_said(sw.get('id'))}; dspark switch --history on the head)")
     lines.append("pair: SERVING" if snap["serving"] else "pair: NOT SERVING")
     return "\n".join(lines)
 
@@ -102,11 +156,12 @@ def render_table(snap: dict) -> str:
 def liveness_line(live: dict, now: float | None = None) -> str:
     """'alive by progress 3 s ago: ...' from an agent's liveness report."""
     now = time.time() if now is None else now
-    head = "alive" if live.get("ok") else f"NOT ALIVE ({live.get('error') or 'no proof yet'})"
-    proof, at = live.get("proof"), live.get("proof_at")
-    if proof not in ("progress", "probe") or not isinstance(at, (int, float)):
+    error = live.get("error")
+    head = "alive" if live.get("ok") is True else f"NOT ALIVE ({_said(error) if error else 'no proof yet'})"
+    proof, at, detail = live.get("proof"), live.get("proof_at"), live.get("proof_detail")
+    if proof not in ("progress", "probe") or not _seconds(at):
         return head + "; no proof of life yet"
-    return f"{head}; last proof: {proof}, {max(0.0, now - at):.0f} s ago ({live.get('proof_detail') or ''})"
+    return f"{head}; last proof: {proof}, {max(0.0, now - at):.0f} s ago ({_said(detail) if detail else ''})"
 
 
 def to_json(snap: dict) -> str:
