@@ -6,6 +6,7 @@ import pytest
 
 from dspark import http
 from hostile import HostileServer, answer, endless, redirect
+from hostile_http import bomb_handler, gzip_gzip_bomb, hostile
 
 
 def test_api_key_is_not_forwarded_on_a_redirect_to_another_host():
@@ -60,3 +61,47 @@ def test_refused_connection_is_told_apart():
 def test_malformed_url_is_a_failure_not_a_crash(url):
     with pytest.raises(http.HTTPFailure):
         http.request(url, timeout=1)
+
+
+# Issue 33, items 5 and 6 (every caller, in processes of their own: tests/test_http_bomb.py).
+
+def test_requests_ask_for_answers_as_they_are():
+    with HostileServer({"/state": answer(b"{}")}) as s:
+        http.get_object(s.url + "/state")
+        with http.stream(s.url + "/state", data={"x": 1}) as r:
+            r.read()
+    assert [h.get("Accept-Encoding") for _, _, h in s.seen] == ["identity", "identity"]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "gzip, gzip", "deflate", "br", "zstd", "x-unknown", "identity, gzip"])
+def test_an_encoded_answer_is_refused_unread(encoding):
+    body = gzip_gzip_bomb(64)  # 64 MiB once decoded, past every body cap
+    with HostileServer({"/state": bomb_handler(body, encoding)}) as s:
+        with pytest.raises(http.HTTPFailure, match=f"Content-Encoding '{encoding}', refused unread"):
+            http.get_json(s.url + "/state", timeout=5)
+
+
+def test_an_identity_answer_is_read():
+    with HostileServer({"/state": bomb_handler(b'{"state": "serving"}', "identity")}) as s:
+        assert http.get_object(s.url + "/state") == {"state": "serving"}
+
+
+@pytest.mark.parametrize("post", [False, True])
+def test_a_head_sent_a_byte_at_a_time_is_cut_at_the_deadline(post):
+    """One byte every 0.5 s never lets a 2 s read timeout pass; the deadline covers the head."""
+    with hostile("trickle", b"", ("/state",)) as (s,):
+        t0 = time.monotonic()
+        with pytest.raises(http.HTTPFailure, match="no complete answer within its 1.5 s deadline"):
+            with http.stream(s.url + "/state", data={"x": 1} if post else None, timeout=2.0, deadline_s=1.5) as r:
+                r.read()
+        took = time.monotonic() - t0
+    assert 1.4 <= took < 1.5 + 5, took
+
+
+def test_a_redirect_spends_the_same_deadline():
+    with hostile("trickle", b"", ("/slow",)) as (slow,):
+        with HostileServer({"/a": redirect(slow.url + "/slow")}) as first:
+            t0 = time.monotonic()
+            with pytest.raises(http.HTTPFailure, match="deadline"):
+                http.request(first.url + "/a", timeout=1.0)
+            assert time.monotonic() - t0 < 1.0 + 5

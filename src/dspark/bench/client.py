@@ -49,9 +49,10 @@ API_KEY_HINT = "the server wants an API key: set DSPARK_API_KEY (or VLLM_API_KEY
 
 
 def _fetch(target: Target, path: str, timeout: float) -> Response:
-    """GET `path`; anything but a 200 answer is a BenchError that says why."""
+    """GET `path` within `timeout` and the target's own (`--request-timeout` bounds every
+    request); anything but a 200 answer is a BenchError that says why."""
     try:
-        r = request(target.endpoint(path), timeout=timeout, token=target.token)
+        r = request(target.endpoint(path), timeout=min(timeout, target.timeout_s), token=target.token)
     except HTTPFailure as e:
         raise BenchError(f"server unreachable or failing: {e}") from None
     if r.status == 401:
