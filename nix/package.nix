@@ -22,6 +22,7 @@ python3Packages.buildPythonApplication {
   build-system = [ python3Packages.setuptools ];
   dependencies = with python3Packages; [
     click
+    httpcore
     httpx
     prometheus-client
   ];
