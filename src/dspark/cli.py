@@ -5,6 +5,7 @@ Library modules are imported inside the commands so that `dspark --help` stays f
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -159,6 +160,14 @@ def render_cmd(config_path: Path | None, node: str | None, as_json: bool) -> Non
 
 
 # ------------------------------------------------------------------------------ serve
+# How long a start refused for a condition that can clear (a port another process holds, a full
+# or read-only filesystem) waits before its exit 5, which the units restart (RestartSec=2): each
+# failing start then lasts at least this long, so the units' start limit (10 starts in 10 min,
+# unit_render.START_LIMIT) is never reached and the node keeps trying for as long as it takes.
+TRANSIENT_WAIT_S = 120.0
+RESTARTED = "systemd restarts the node, which tries again"
+
+
 @main.command("serve")
 @config_option
 @node_option
@@ -167,18 +176,29 @@ def render_cmd(config_path: Path | None, node: str | None, as_json: bool) -> Non
 @click.option("--skip-plan", is_flag=True, help="Start even if the memory plan says it does not fit.")
 @click.option("--check", "preflight", is_flag=True,
               help="Run `dspark check` first (the units do): refuse to start on a fail; every line is logged.")
+@click.option("--transient-wait", "transient_wait_s", type=click.FloatRange(min=0), default=TRANSIENT_WAIT_S,
+              show_default=True, metavar="SECONDS",
+              help="A start refused for a condition that can clear (a port another process holds, a full or "
+                   "read-only filesystem) waits this long, then exits 5, which the units restart. With --check, "
+                   "a held port is looked at again after 1, 2, 4 ... 30 s, and the node starts once it frees.")
 def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None, skip_plan: bool,
-              preflight: bool) -> None:
+              preflight: bool, transient_wait_s: float) -> None:
     """Run this node: supervise vLLM, report to systemd, serve the node agent.
 
     Exit codes: 0 stopped, 2 refused (config, host check or memory plan), 3 never became
-    ready, 4 died while serving (or lost its pair).
+    ready, 4 died while serving (or lost its pair), 5 refused for now (a port another process
+    holds, a full or read-only filesystem: systemd restarts it).
     """
+    import time
+
     from .signals import SignalQueue
 
     # First of all: from here on a signal is queued for the supervisor's loop, never lost
     # while the cluster file and the plan are read, never a traceback.
     signals = SignalQueue().install()
+    started = time.monotonic()
+    from .node_policy import EXIT_RETRY
+    from .notify import Notifier
     from .supervisor import EXIT_CONFIG, serve
 
     cluster = load_cluster(config_path)
@@ -194,26 +214,153 @@ def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None
             fail(refusal, EXIT_CONFIG)
     from . import preflight as P
 
-    if preflight:
-        identity, refusal = P.gate(running, running.node(this.name), say=lambda line: click.echo(line, err=True))
-        if refusal:
-            fail(refusal, EXIT_CONFIG)
-    else:
-        identity = P.identity(running)
-    if not skip_plan:
-        from .plan import PlanError, plan_for_cluster
-
-        try:
-            plan = plan_for_cluster(running)
-        except PlanError as e:
-            fail(f"refusing to start: plan: {e}", EXIT_CONFIG)
-        if not plan.fits:
-            fail("refusing to start: the memory plan does not fit\n" + plan.render_text(), EXIT_CONFIG)
+    notify = Notifier()  # STATUS= and EXTEND_TIMEOUT_USEC= while a start waits (the supervisor has its own)
     try:
-        code = serve(cluster, this, state_dir=state_dir, signals=signals, identity=identity)
-    except OSError as e:  # e.g. the agent's port is taken, vLLM's command not found
-        fail(f"serve: {e}", EXIT_CONFIG)
+        if preflight:
+            verdict = P.gate(running, running.node(this.name), say=lambda line: click.echo(line, err=True),
+                             port_wait_s=transient_wait_s, wait=signals.get,
+                             waiting=lambda seconds, line: _waiting(notify, seconds, line))
+            if verdict.signal is not None:
+                _stopped_by(verdict.signal, verdict.refusal or "stopped", EXIT_RETRY)
+            if verdict.refusal and verdict.retry:
+                notify.status(verdict.refusal)
+                fail(f"{verdict.refusal}; exit {EXIT_RETRY}: {RESTARTED}", EXIT_RETRY)
+            if verdict.refusal:
+                fail(verdict.refusal, EXIT_CONFIG)
+            identity = verdict.identity
+        else:
+            identity = P.identity(running)
+        if not skip_plan:
+            from .plan import PlanError, plan_for_cluster
+
+            try:
+                plan = plan_for_cluster(running)
+            except PlanError as e:
+                fail(f"refusing to start: plan: {e}", EXIT_CONFIG)
+            if not plan.fits:
+                fail("refusing to start: the memory plan does not fit\n" + plan.render_text(), EXIT_CONFIG)
+        try:
+            code = serve(cluster, this, state_dir=state_dir, signals=signals, identity=identity)
+        except OSError as e:  # e.g. the agent's port is taken, the state directory full, vLLM's command not found
+            message, retry = _serve_os_error(e, cluster, this, state_dir)
+            if not retry:
+                fail(message, EXIT_CONFIG)
+            # Not at once: a start that fails within seconds, restarted every RestartSec=, would
+            # reach the units' start limit in a minute and stay down for good.
+            left = started + transient_wait_s - time.monotonic()
+            if left > 0:
+                _waiting(notify, left, f"{message}; exit {EXIT_RETRY} in {left:.0f} s: {RESTARTED}")
+                sig = signals.get(left)
+                if sig is not None:
+                    _stopped_by(sig, message, EXIT_RETRY)
+            fail(f"{message}; exit {EXIT_RETRY}: {RESTARTED}", EXIT_RETRY)
+    finally:
+        notify.close()
     sys.exit(code)
+
+
+def _waiting(notify, seconds: float, line: str) -> None:
+    """A start that waits: a warning in the journal, the line as `systemctl status` shows it,
+    and systemd's start timeout kept ahead of the wait."""
+    import logging
+
+    from . import log as L
+
+    L.line(logging.WARNING, line, sys.stderr)
+    notify.status(line)
+    notify.extend_timeout(seconds + 30)
+
+
+def _stopped_by(sig: int, why: str, restart_code: int):
+    """A signal ended a wait before the start: SIGTERM and SIGINT stop (exit 0), SIGHUP restarts."""
+    import signal
+
+    if sig == signal.SIGHUP:
+        fail(f"{why}; SIGHUP: restarting", restart_code)
+    click.echo(f"{why}; {signal.Signals(sig).name}: stopped", err=True)
+    sys.exit(0)
+
+
+# errno values that the cluster file or the install must fix: a refusal (2). Every other OSError
+# of serve() (a port taken, a full or read-only filesystem, too many open files, an I/O error)
+# can clear: exit 5, restarted.
+_CONFIG_ERRNOS = frozenset({"ENOENT", "ENOTDIR", "EISDIR", "EACCES", "EPERM", "ENOEXEC", "ELOOP", "ENAMETOOLONG",
+                            "EADDRNOTAVAIL"})
+
+
+def _serve_os_error(e: OSError, cluster, node, state_dir: Path | None) -> tuple[str, bool]:
+    """serve()'s OSError in words (what, where, which filesystem), and whether it can clear."""
+    import errno
+
+    what = e.strerror or str(e)
+    retry = errno.errorcode.get(e.errno or 0) not in _CONFIG_ERRNOS
+    if e.errno == errno.EADDRINUSE:  # the agent's bind, the one port serve() binds itself
+        from .preflight.peer import probe_ports
+
+        where = f"{node.agent_bind}:{node.agent_port}"
+        held = [u for u in probe_ports(cluster, node, Path("/proc"), None) if u.what == "agent_port" and u.held]
+        who = f", held by {held[0].holder()}" if held else " (free again now)"
+        return f"serve: cannot bind the agent's port {where}: {what}{who}", retry
+    path = Path(e.filename) if isinstance(e.filename, (str, os.PathLike)) else None
+    if path is not None and not path.is_absolute() and state_dir is not None:
+        path = state_dir / path  # state_io writes relative to the state directory's descriptor
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        path = path or state_dir  # a write's error names no file: serve() writes in the state directory
+        if path is not None:
+            fs = _filesystem(path)
+            kind = fs["type"] if fs["source"] in (fs["type"], "none") else f"{fs['type']} on {fs['source']}"
+            if e.errno == errno.EROFS:
+                return (f"serve: {what}: {path} (its filesystem, {kind}, is mounted read-only at {fs['mount']}; "
+                        "remount it read-write)"), retry
+            return (f"serve: {what}: {path} (the {kind} filesystem at {fs['mount']}: {fs['free']} free of "
+                    f"{fs['size']}; free space there)"), retry
+    return f"serve: {what}" + (f": {path}" if path is not None else ""), retry
+
+
+def _filesystem(path: Path) -> dict[str, str]:
+    """The mount that holds `path` (its nearest existing directory): mount point, type, source,
+    free and total space, from /proc/self/mountinfo and statvfs."""
+    here = Path(os.path.realpath(path))
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    out = {"mount": "?", "type": "?", "source": "?", "free": "?", "size": "?"}
+    best = ""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f.read(1 << 20).splitlines():
+                head, _, tail = line.partition(" - ")
+                fields, rest = head.split(), tail.split()
+                if len(fields) < 5 or len(rest) < 2:
+                    continue
+                mount = _unescape(fields[4])
+                # the deepest mount above `here`; of mounts stacked on one point, the last (the top)
+                if (here == Path(mount) or Path(mount) in here.parents) and len(mount) >= len(best):
+                    best = mount
+                    out.update(mount=mount, type=rest[0], source=_unescape(rest[1]))
+    except OSError:
+        pass
+    try:
+        st = os.statvfs(here)
+        out.update(free=_bytes(st.f_bavail * st.f_frsize), size=_bytes(st.f_blocks * st.f_frsize))
+    except OSError:
+        pass
+    return out
+
+
+def _unescape(field: str) -> str:
+    """mountinfo's octal escapes (\\040 for a space)."""
+    import re
+
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
 
 
 def _on_current_line(cluster, state_dir: Path | None):

@@ -31,11 +31,16 @@ from .liveness import LivenessJudge, Verdict
 from .probes import ReadyProbe, Round
 from .vllm_process import at_least, stage_detail
 
-# Exit codes (the unit sets RestartPreventExitStatus=2: a bad config is not retried).
+# Exit codes (the unit sets RestartPreventExitStatus=2: a bad config is not retried; every other
+# failure is).
 EXIT_OK = 0
 EXIT_CONFIG = 2          # refused before starting anything: bad config, plan does not fit
 EXIT_NEVER_READY = 3     # vLLM exited or timed out before the node became ready
 EXIT_DIED = 4            # the node was serving (or in its pair) and then died, lost its pair or got SIGHUP
+# Refused for now, for a condition that can clear: a port another process holds (after `serve
+# --check` waited for it), a full or read-only filesystem, any OSError the cluster file cannot
+# fix. Not in RestartPreventExitStatus=: systemd restarts the node, which tries again.
+EXIT_RETRY = 5
 # Not an exit code: the run ends to go on at once on another runtime line (dspark.supervisor.serve
 # starts the next run in the same process; `switch_to` names the line).
 EXIT_SWITCH = 75

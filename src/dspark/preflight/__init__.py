@@ -10,13 +10,15 @@ starts and says ok, warn or fail, what it saw and the fix.
   peer.py       this node's identity (served in the agent's /state), its ports, the peers
 
 Run on demand (`dspark check`), by `dspark serve --check` (what the units run: a fail
-refuses the start with exit 2) and by `dspark local up` before each node starts. Every check
-takes its roots (/sys, /proc) from `Host`, so tests build their own trees.
+refuses the start with exit 2, except a port another process holds: `gate` waits for it) and
+by `dspark local up` before each node starts. Every check takes its roots (/sys, /proc) from
+`Host`, so tests build their own trees.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -150,19 +152,87 @@ def _guard_value(fn):
         return None
 
 
-def gate(cluster: Cluster, node: NodeConfig, say: Callable[[str], None], host: Host | None = None,
-         ) -> tuple[dict, str | None]:
-    """`dspark serve --check` (what the units run) and `dspark local up`: every line to `say`
-    (the journal under systemd), and the refusal message when a check failed, else None.
-    Returns this node's identity for the agent's /state as well."""
-    report = run(cluster, node, host or Host(starting=True))
+# A port another process holds can clear (that process ends, or was only passing by in the
+# 2 s between two starts): `serve --check` looks again after 1, 2, 4 ... 30 s.
+PORT_RETRY_FIRST_S = 1.0
+PORT_RETRY_MAX_S = 30.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What `gate` decided: start (no refusal), or the refusal's message, and whether the
+    refusal is for now only (`retry`: a port still held after the wait) or ended by a signal."""
+
+    identity: dict
+    refusal: str | None = None
+    retry: bool = False
+    signal: int | None = None
+
+
+def gate(cluster: Cluster, node: NodeConfig, say: Callable[[str], None], host: Host | None = None, *,
+         port_wait_s: float = 0.0, wait: Callable[[float], int | None] | None = None,
+         waiting: Callable[[float, str], None] | None = None,
+         clock: Callable[[], float] = time.monotonic) -> Verdict:
+    """`dspark serve --check` (what the units run): every line to `say` (the journal under
+    systemd), and the refusal when a check failed; the identity for the agent's /state as well.
+
+    When the only fails are ports that other processes hold, they are looked at again with a
+    growing delay for up to `port_wait_s`: a port that frees starts the node, one still held is a
+    refusal with `retry` set. `wait(seconds)` sleeps and returns a signal that ends the wait
+    early (default: time.sleep); `waiting(seconds, line)` is told each wait (default: `say`);
+    `clock` measures the wait (tests pass a fake one with a `wait` that moves it)."""
+    host = host or Host(starting=True)
+    report = run(cluster, node, host)
     for line in report.lines():
         say(f"dspark[{node.name}]: check {line}")
     say(f"dspark[{node.name}]: check {report.summary()}")
+    identity = report.identity or {}
     if not report.failed:
-        return report.identity or {}, None
+        return Verdict(identity)
     why = "; ".join(f"{c.name}: {c.seen} (fix: {c.fix})" for c in report.failed)
-    return report.identity or {}, f"refusing to start: dspark check failed: {why}"
+    refusal = Verdict(identity, f"refusing to start: dspark check failed: {why}")
+    failed = {c.name for c in report.failed}
+    if port_wait_s <= 0 or not all(c.name.startswith("port.") for c in report.failed):
+        return refusal
+    return _wait_for_ports(cluster, node, host, failed, port_wait_s, refusal, say, wait, waiting, clock)
+
+
+def _wait_for_ports(cluster: Cluster, node: NodeConfig, host: Host, names: set[str], wait_s: float,
+                    refusal: Verdict, say: Callable[[str], None], wait: Callable[[float], int | None] | None,
+                    waiting: Callable[[float, str], None] | None, clock: Callable[[], float]) -> Verdict:
+    from . import peer as P
+
+    def sleep(seconds: float) -> int | None:
+        time.sleep(seconds)
+        return None
+
+    wait, waiting = wait or sleep, waiting or (lambda _s, line: say(line))
+    t0, delay = clock(), PORT_RETRY_FIRST_S
+    while True:
+        blocking = [u for u in P.probe_ports(cluster, node, host.proc, None)
+                    if u.name in names and u.error is not None and u.ours is None]
+        if not blocking:
+            say(f"dspark[{node.name}]: {', '.join(sorted(names))}: free now")
+            return Verdict(refusal.identity)
+        if not all(u.held for u in blocking):  # not in use: an address gone, a bind refused
+            return refusal
+        left = wait_s - (clock() - t0)
+        if left <= 0:
+            fixes = "; ".join(dict.fromkeys(f"stop that process, or give node {node.name!r} another {u.what}"
+                                            for u in blocking))
+            return Verdict(refusal.identity, f"refusing to start for now: after {wait_s:g} s, "
+                           f"{_held(blocking, 'still ')} (fix: {fixes})", retry=True)
+        step = min(delay, left)
+        waiting(step, f"dspark[{node.name}]: {_held(blocking, '')}; retrying in {step:.3g} s "
+                      f"(for {left:.0f} s more)")
+        sig = wait(step)
+        if sig is not None:
+            return Verdict(refusal.identity, f"stopped while waiting for {', '.join(sorted(names))}", signal=sig)
+        delay = min(delay * 2, PORT_RETRY_MAX_S)
+
+
+def _held(ports, still: str) -> str:
+    return "; ".join(f"{u.name}: {u.host}:{u.port} is {still}held by {u.holder()}" for u in ports)
 
 
 def identity(cluster: Cluster) -> dict:

@@ -9,13 +9,14 @@ import errno
 import hashlib
 import ipaddress
 import os
+import pwd
 import shutil
 import socket
 import struct
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 from ..config import Cluster, NodeConfig
 from ..safe_read import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_INDEX_BYTES, read_bytes
@@ -163,10 +164,33 @@ def _conflicts(listener: str, host: str) -> bool:
         return False
 
 
-def _listener_owner(host: str, port: int, proc: Path) -> tuple[int, str] | None:
-    """(pid, command line) of the process listening on TCP `port` where a bind of `host`
-    collides, where /proc lets us see it."""
-    inodes = set()
+@dataclass(frozen=True)
+class Listener:
+    """Who listens on a port: the socket's owner (uid) from /proc/net/tcp, which every user can
+    read, and its process where /proc lets this user see its fds (root sees every process)."""
+
+    uid: int | None
+    pid: int | None = None
+    cmdline: str = ""
+
+    def describe(self) -> str:
+        user = _user_name(self.uid) if self.uid is not None else "?"
+        if self.pid is None:
+            return f"a process of user {user} that this user cannot see"
+        return f"pid {self.pid} (user {user}): {self.cmdline[:120]}"
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _listener_owner(host: str, port: int, proc: Path) -> Listener | None:
+    """The process listening on TCP `port` where a bind of `host` collides, as far as /proc
+    shows it; None when no listening socket is seen."""
+    inodes: dict[str, int | None] = {}
     for table in ("tcp", "tcp6"):
         try:
             lines = (proc / "net" / table).read_text().splitlines()[1:]
@@ -179,7 +203,7 @@ def _listener_owner(host: str, port: int, proc: Path) -> tuple[int, str] | None:
             addr, _, hexport = f[1].rpartition(":")
             try:
                 if int(hexport, 16) == port and _conflicts(_proc_net_address(addr), host):
-                    inodes.add(f[9])
+                    inodes[f[9]] = int(f[7]) if f[7].isdigit() else None
             except ValueError:
                 continue
     if not inodes:
@@ -189,10 +213,10 @@ def _listener_owner(host: str, port: int, proc: Path) -> tuple[int, str] | None:
             for fd in (pid_dir / "fd").iterdir():
                 target = os.readlink(fd)
                 if target.startswith("socket:[") and target[8:-1] in inodes:
-                    return int(pid_dir.name), _cmdline(pid_dir)
+                    return Listener(inodes[target[8:-1]], int(pid_dir.name), _cmdline(pid_dir))
         except OSError:
             continue
-    return None
+    return Listener(next(iter(inodes.values())))
 
 
 def _cmdline(pid_dir: Path) -> str:
@@ -229,38 +253,75 @@ def node_ports(cluster: Cluster, node: NodeConfig) -> list[tuple[str, str, int]]
     return out
 
 
-def check_ports(cluster: Cluster, node: NodeConfig, proc: Path, own_state: dict | None) -> list[Check]:
-    """Each port free (a test bind), or held by this node's own dspark."""
+@dataclass(frozen=True)
+class PortUse:
+    """One of this node's ports as a test bind found it."""
+
+    what: str                      # agent_port, master_port, api_port
+    host: str
+    port: int
+    error: OSError | None = None   # the test bind's error; None: free
+    owner: Listener | None = None  # who listens there (EADDRINUSE), where /proc shows it
+    ours: str | None = None        # held by this node's own dspark: which, in words
+
+    @property
+    def name(self) -> str:
+        """The check's name: port.agent, port.master, port.api."""
+        return f"port.{self.what.removesuffix('_port')}"
+
+    @property
+    def held(self) -> bool:
+        """Held by another process: a condition that can clear (`dspark serve --check` waits)."""
+        return self.error is not None and self.error.errno == errno.EADDRINUSE and self.ours is None
+
+    def holder(self) -> str:
+        return self.owner.describe() if self.owner else "a process this user cannot see (another user's)"
+
+
+def probe_ports(cluster: Cluster, node: NodeConfig, proc: Path, own_state: dict | None) -> list[PortUse]:
+    """A test bind of each of this node's ports, and who holds the ones in use."""
     out = []
     for what, host, port in node_ports(cluster, node):
-        name = f"port.{what.removesuffix('_port')}"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
-                out.append(ok(name, f"{host}:{port} is free"))
+                out.append(PortUse(what, host, port))
                 continue
             except OSError as e:
                 err = e
-        if err.errno == errno.EADDRNOTAVAIL:
-            out.append(fail(name, f"cannot bind {host}:{port}: {host} is not an address of this host",
-                            f"configure {host} on this host, or correct node {node.name!r}"))
-            continue
         if err.errno != errno.EADDRINUSE:
-            out.append(fail(name, f"cannot bind {host}:{port}: {err.strerror}", "see the error"))
+            out.append(PortUse(what, host, port, err))
             continue
         owner = _listener_owner(host, port, proc)
-        serve_pid = _dspark_serve_ancestor(owner[0], proc, node.name) if owner else None
-        if serve_pid is not None or (what == "agent_port" and own_state is not None):
-            # no serve_pid (a real pid, never 0): then the agent port with own_state
-            who = (f"dspark serve (pid {serve_pid})" if serve_pid
-                   else f"this node's agent ({cast(dict, own_state).get('state')})")
-            out.append(ok(name, f"{host}:{port} is held by this node's own {who}"))
-            continue
-        who = f"pid {owner[0]}: {owner[1][:120]}" if owner else "a process this user cannot see (another user's)"
-        out.append(fail(name, f"{host}:{port} is in use by {who}",
-                        f"stop that process, or give node {node.name!r} another {what}"))
+        serve_pid = _dspark_serve_ancestor(owner.pid, proc, node.name) if owner and owner.pid else None
+        ours = None
+        if serve_pid is not None:
+            ours = f"dspark serve (pid {serve_pid})"
+        elif what == "agent_port" and own_state is not None:
+            ours = f"agent ({own_state.get('state')})"
+        out.append(PortUse(what, host, port, err, owner, ours))
+    return out
+
+
+def check_ports(cluster: Cluster, node: NodeConfig, proc: Path, own_state: dict | None) -> list[Check]:
+    """Each port free (a test bind), or held by this node's own dspark."""
+    out = []
+    for u in probe_ports(cluster, node, proc, own_state):
+        where = f"{u.host}:{u.port}"
+        if u.error is None:
+            out.append(ok(u.name, f"{where} is free"))
+        elif u.ours is not None:
+            out.append(ok(u.name, f"{where} is held by this node's own {u.ours}"))
+        elif u.error.errno == errno.EADDRNOTAVAIL:
+            out.append(fail(u.name, f"cannot bind {where}: {u.host} is not an address of this host",
+                            f"configure {u.host} on this host, or correct node {node.name!r}"))
+        elif u.error.errno != errno.EADDRINUSE:
+            out.append(fail(u.name, f"cannot bind {where}: {u.error.strerror}", "see the error"))
+        else:
+            out.append(fail(u.name, f"{where} is in use by {u.holder()}",
+                            f"stop that process, or give node {node.name!r} another {u.what}"))
     return out
 
 
