@@ -8,6 +8,7 @@ starts and says ok, warn or fail, what it saw and the fix.
                 swap and OOM killers, the units' cache directories
   model_dir.py  config.json, the shards the index names, readable by the service user, whole
   peer.py       this node's identity (served in the agent's /state), its ports, the peers
+  perms.py      who else can write the model directory, the cluster file and vLLM's runtime
 
 Run on demand (`dspark check`), by `dspark serve --check` (what the units run: a fail
 refuses the start with exit 2, except a port another process holds: `gate` waits for it) and
@@ -128,6 +129,13 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
     add(_guard("port", lambda: P.check_ports(cluster, node, host.proc, own)))
     if node.is_head:
         add(_guard("api.access", lambda: P.check_api_access(node, host.environ)))
+
+    def perms() -> list[Check]:
+        from .perms import check_perms
+
+        return check_perms(cluster, user, P.vllm_package(cluster.serving.vllm_command)[1])
+
+    add(_guard("perms", perms))
     identity = host.identity
     if identity is None:
         identity = _guard_value(lambda: P.local_identity(cluster)) or {}

@@ -62,23 +62,31 @@ _FIND_VLLM = ("import importlib.util as u; s = u.find_spec('vllm'); "
               "print(list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else '')")
 
 
+def vllm_package(vllm_command: list[str], timeout_s: float = 30.0) -> tuple[str | None, Path | None, str]:
+    """(the Python behind vLLM's command, its installed vllm package directory, why not found),
+    found without importing vLLM."""
+    python = _runtime_python(vllm_command)
+    if python is None:
+        return None, None, f"cannot tell which Python runs {vllm_command[:1]}"
+    try:
+        r = subprocess.run([python, "-c", _FIND_VLLM], capture_output=True, text=True, timeout=timeout_s,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return python, None, f"{python}: {e}"
+    where = r.stdout.strip()
+    if r.returncode != 0 or not where:
+        return python, None, f"no vllm package for {python}"
+    return python, Path(where), ""
+
+
 def runtime_identity(vllm_command: list[str], timeout_s: float = 30.0) -> dict:
     """vLLM's version and a SHA-256 of its Python sources as installed (an overlay or any local
     change to them alters it), found without importing vLLM."""
     from ..overlay import OverlayError, installed_vllm_version
 
-    python = _runtime_python(vllm_command)
-    if python is None:
-        return {"error": f"cannot tell which Python runs {vllm_command[:1]}"}
-    try:
-        r = subprocess.run([python, "-c", _FIND_VLLM], capture_output=True, text=True, timeout=timeout_s,
-                           stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return {"error": f"{python}: {e}"}
-    where = r.stdout.strip()
-    if r.returncode != 0 or not where:
-        return {"error": f"no vllm package for {python}"}
-    pkg = Path(where)
+    _, pkg, error = vllm_package(vllm_command, timeout_s)
+    if pkg is None:
+        return {"error": error}
     try:
         version = installed_vllm_version(pkg.parent)
     except OverlayError as e:
