@@ -138,7 +138,11 @@ class VllmProcess:
     def start(self) -> None:
         self.stop(0.0)  # a previous run's group, should anything of it remain: swept before the next
         env = child_env(self.env)
+        inherited = env.get("PYTHONPATH")
         env.update(self.launch.env)
+        if inherited and "PYTHONPATH" in self.launch.env:
+            # The launch's path (dspark's API guard first) ahead of the one this process was given.
+            env["PYTHONPATH"] = os.pathsep.join([self.launch.env["PYTHONPATH"], inherited])
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         env.setdefault("PYTHONUNBUFFERED", "1")
