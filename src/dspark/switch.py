@@ -20,20 +20,23 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, cast
 
-from . import line_state
+from . import line_state, state_io
+from . import log as L
 from . import states as S
 from .agent_client import agent_state
 from .bench.client import REQUEST_TIMEOUT_S
 from .config import Cluster, ConfigError
+from .safe_read import NotRegularFile, describe, parse_json
 
 HISTORY = "switch-history.json"
+MAX_HISTORY_BYTES = 16 << 20  # a record is under 1 KiB: thousands of switches
 REPORTS = "switches"
 LOCK = ".switch.lock"
 POLL_S = 0.5
@@ -113,19 +116,56 @@ def judge(before: list, after: list, min_band: float = MIN_BAND) -> Verdict:
                          "or better", old, new, gain, band)
 
 
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_record(h: object) -> bool:
+    """A switch record as history_table shows it: the fields it formats have their types."""
+    if not isinstance(h, dict):
+        return False
+    t = h.get("started_at")
+    return (all(isinstance(h.get(k), str) for k in ("id", "from_line", "to_line", "verdict"))
+            and isinstance(h.get("reason", ""), str) and isinstance(h.get("serving_on"), (str, type(None)))
+            and isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 1e11  # time.gmtime's range
+            and all(h.get(k) is None or _number(h.get(k)) for k in ("band", "gain", "down_s", "ended_at")))
+
+
+def _parse_history(data: bytes) -> tuple[list[dict], int]:
+    """(the records, how many entries are not records)."""
+    v = parse_json(data, max_bytes=MAX_HISTORY_BYTES, max_depth=state_io.STATE_JSON_DEPTH)
+    if not isinstance(v, list):
+        raise state_io.CorruptState(f"{state_io.json_kind(v)}, not a list of switches")
+    records = [h for h in v if _is_record(h)]
+    return records, len(v) - len(records)
+
+
+def _load_history(state_dir: Path) -> tuple[list[dict], int]:
+    """A history that is not one (not JSON, not a list, a FIFO, a link, too large) is moved aside
+    (dspark.state_io), never read as empty and then replaced."""
+    empty: tuple[list[dict], int] = ([], 0)
+    return state_io.read_state(Path(state_dir) / HISTORY, _parse_history, empty, default_is="an empty history",
+                               max_bytes=MAX_HISTORY_BYTES)
+
+
 def read_history(state_dir: Path) -> list[dict]:
-    try:
-        data = json.loads((Path(state_dir) / HISTORY).read_text())
-        return data if isinstance(data, list) else []
-    except (OSError, ValueError):
-        return []
+    """The switches recorded on this head. Entries that are not switch records are left out, and
+    said; the next switch keeps the file as it was beside the history it writes."""
+    hist, odd = _load_history(state_dir)
+    if odd:
+        L.line(logging.WARNING, f"dspark: {Path(state_dir) / HISTORY}: {odd} entries are not switch records: "
+                                "left out")
+    return hist
 
 
 def _save_history(state_dir: Path, rec: Record) -> None:
-    hist = [h for h in read_history(state_dir) if h.get("id") != rec.id] + [asdict(rec)]
-    tmp = Path(state_dir) / f".{HISTORY}.tmp"
-    tmp.write_text(json.dumps(hist, indent=1) + "\n")
-    os.replace(tmp, Path(state_dir) / HISTORY)
+    """`rec` added to the history (or in place of its earlier self), atomically and durably."""
+    path = Path(state_dir) / HISTORY
+    hist, odd = _load_history(state_dir)
+    if odd:
+        state_io.set_aside(path, f"{odd} entries are not switch records", "the records that are", keep=True)
+    hist = [h for h in hist if h.get("id") != rec.id] + [asdict(rec)]
+    state_io.write_atomic(path, json.dumps(hist, indent=1) + "\n")
 
 
 def _pct(v: float | None) -> str:
@@ -286,13 +326,21 @@ class Switcher:
         if current == self.to:
             raise SwitchRefused(f"the pair already serves runtime line {self.to}")
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(self.state_dir / LOCK, "w")
+        try:  # the state directory is the service user's: a link or a FIFO planted there is refused
+            lock = state_io.open_lock(self.state_dir / LOCK)
+        except NotRegularFile as e:
+            raise SwitchRefused(f"the switch's lock {describe(e)}") from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
+            lock.close()
             raise SwitchRefused("another dspark switch is running on this head") from None
         try:
-            return self._run(current)
+            # Root (`sudo dspark switch`) writes as the state directory's owner: the history, the
+            # line state and the reports under switches/ (dspark.bench) reach nothing that user
+            # could not reach itself, whatever links it planted.
+            with state_io.as_owner_of(self.state_dir, adopt=(REPORTS,)):
+                return self._run(current)
         finally:
             lock.close()
 
