@@ -5,7 +5,7 @@ Each caller runs in a process of its own, as it does in use: `dspark status`, `d
 prefill`, the bench's streamed completion, the dashboard's collector, the head's poll of its
 peers' agents (dspark.probes.poll_agents, what its supervisor runs each round of the
 rendezvous) and the head's real supervisor (`dspark serve`) waiting for a hostile worker. The
-process's wall time and peak RSS (os.wait4) are measured: the bomb is refused without being
+process's wall time and peak RSS (its VmHWM) are measured: the bomb is refused without being
 inflated, the trickle ends at the caller's deadline.
 
 Before the fix: the bomb took each caller to 2.0-2.5 GB of RSS (1 GiB inflated before any cap
@@ -64,19 +64,36 @@ class Ran:
     rss_mb: float
 
 
+def _hwm_mb(pid: int) -> float:
+    """The process's own peak RSS (VmHWM, of its address space since its exec), MB; 0 once gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
 def reap(p: subprocess.Popen, t0: float, limit_s: float) -> tuple[float, float]:
-    """Wait for `p` (killed past `limit_s` from `t0`); its wall time and own peak RSS (MB)."""
+    """Wait for `p` (killed past `limit_s` from `t0`); its wall time and own peak RSS (MB), read
+    from its VmHWM every 20 ms while it runs. Not wait4's ru_maxrss: a child forked from this
+    pytest worker starts with the worker's RSS as its maximum (Linux keeps it across exec), and an
+    xdist worker that imported vLLM for an earlier test is 500 MB before the child does anything."""
+    peak = 0.0
     while True:
-        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+        peak = max(peak, _hwm_mb(p.pid))
+        pid, status = os.waitpid(p.pid, os.WNOHANG)
         if pid:
             break
         if time.monotonic() - t0 > limit_s:
             p.kill()
-            pid, status, ru = os.wait4(p.pid, 0)
+            pid, status = os.waitpid(p.pid, 0)
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     p.returncode = os.waitstatus_to_exitcode(status)
-    return time.monotonic() - t0, ru.ru_maxrss / 1024
+    return time.monotonic() - t0, peak
 
 
 PREAMBLE = f"import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({AS_LIMIT}, {AS_LIMIT}))\n"
