@@ -1,0 +1,149 @@
+"""b12x warm-up coverage on runtime line v0.32.0 (issue 32): which b12x 1.5.1 MoE kernel
+signatures vLLM 0.32.0's warm-up compiles before READY, and which token counts serving reaches
+whose signature it did not.
+
+coverage_032_checks.py runs the patched tree's b12x_warmup (0014 included) and B12xExperts'
+own deduplication in the line's Python, with the signature b12x 1.5.1's own lowering gives each
+token count (make_moe_spec, lower_moe_execution, select_route_block_size_m from the pinned
+wheel's sources; the glue of plan_tp_moe_execution, whose module imports CUDA, stands in, as that
+script says), at the settings dspark renders for tests/fixtures/cluster-two-node.toml on this
+line (8,192 batched tokens, capture sizes up to 72, DSpark k=5, 12 sequences).
+
+The figure is not zero, and the tests assert the true one: a FINDING, not a failure to hide.
+vLLM hands the warm-up 1, the capture sizes and max_num_batched_tokens, trusting b12x to
+deduplicate; b12x's W4A16 policy picks a route block of 8, 16, 32, 48 or 64 rows from the
+average routes per expert (6m/256 below 0.9 x block), so the warm-up compiles two signatures
+(block 8 for 1..307 tokens, block 64 for 1,844..8,192) and the eager prefill chunks of 308 to
+1,843 tokens select three signatures first compiled after READY (blocks 16, 32, 48). Every
+verify (n x 6) and draft (n x 5) batch is on the warmed block-8 signature.
+
+Not established here: whether b12x, on a GPU, compiles anything for a new token count inside a
+warmed signature (vLLM plans every new count afresh: 8,176 plans after READY), nor the kernel
+compiles themselves (CuTe DSL).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from dspark import config as C
+from dspark.render import vllm_argv
+
+from .conftest import REPO, run_checks
+
+pytestmark = pytest.mark.vllm
+
+CHECKS = Path(__file__).with_name("coverage_032_checks.py")
+FIXTURE = REPO / "tests" / "fixtures" / "cluster-two-node.toml"
+LINE_LOCK = REPO / "nix" / "lines" / "v0.32.0" / "runtime-lock.json"
+SIG = "w4a16/materialized_persistent/route_block_rows={}"
+
+
+def b12x_source() -> Path | None:
+    """The line's pinned b12x wheel, unpacked as .ci/setup unpacks the v0.28.0 line's
+    (.venv/pinned/b12x-VERSION), or where DSPARK_B12X_032_SOURCE names."""
+    named = os.environ.get("DSPARK_B12X_032_SOURCE")
+    if named:
+        root = Path(named)
+    else:
+        lock = json.loads(LINE_LOCK.read_text())
+        version = next(p["version"] for p in lock["packages"] if p["name"] == "b12x")
+        root = REPO / ".venv" / "pinned" / f"b12x-{version}"
+    return root if (root / "b12x" / "moe" / "_shared" / "execution.py").is_file() else None
+
+
+def _flag_values(argv: list[str], name: str) -> list[int]:
+    i = argv.index(name) + 1
+    values = []
+    while i < len(argv) and not argv[i].startswith("--"):
+        values.append(int(argv[i]))
+        i += 1
+    return values
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict:
+    data = tomllib.loads(FIXTURE.read_text())
+    data["serving"]["runtime_line"] = "v0.32.0"
+    path = tmp_path_factory.mktemp("coverage032") / "cluster.toml"
+    path.write_text(C.dumps(data))
+    cluster = C.load(path)
+    argv = vllm_argv(cluster, cluster.head)
+    return {"sizes": _flag_values(argv, "--cudagraph-capture-sizes"),
+            "max_batched": _flag_values(argv, "--max-num-batched-tokens")[0],
+            "k": cluster.serving.num_speculative_tokens, "max_seqs": cluster.serving.max_num_seqs}
+
+
+@pytest.fixture(scope="module")
+def coverage(patched_site_032, python_032, rendered) -> dict:
+    src = b12x_source()
+    if src is None:
+        pytest.skip("the v0.32.0 line's pinned b12x 1.5.1 sources are not unpacked (.venv/pinned/b12x-1.5.1 "
+                    "or DSPARK_B12X_032_SOURCE)")
+    r = rendered
+    results = run_checks(patched_site_032, CHECKS, str(src), json.dumps(r["sizes"]), str(r["max_batched"]),
+                         str(r["k"]), str(r["max_seqs"]), python=python_032)
+    assert "error" not in results, results["error"]
+    assert Path(results["b12x_warmup"]).resolve().is_relative_to(patched_site_032.resolve())
+    return results
+
+
+def test_the_settings_are_the_templates(rendered):
+    assert (rendered["max_batched"], rendered["k"], rendered["max_seqs"]) == (8192, 5, 12)
+    assert max(rendered["sizes"]) == 72
+
+
+def test_the_policy_read_is_b12x_151s(coverage):
+    assert coverage["policy"] == {"routed_sizes": [8, 16, 32, 48, 64], "target_fill": 0.9}
+
+
+def test_the_warm_up_compiles_two_signatures(coverage, rendered):
+    """vLLM's warm-up counts (1, the capture sizes, the budget) deduplicate to two launches."""
+    assert coverage["warmup_counts"] == sorted({1, rendered["max_batched"], *rendered["sizes"]})
+    assert coverage["compiled_launch_counts"] == [1, 8192]
+    assert coverage["warmed_signatures"] == sorted([SIG.format(64), SIG.format(8)])
+
+
+def test_three_signatures_are_first_compiled_after_ready(coverage):
+    """THE FINDING: eager prefill chunks of 308..1,843 tokens (1,536 counts) select route blocks
+    of 16, 32 and 48 rows, which no warm-up count selects."""
+    assert coverage["signatures_after_ready"] == {
+        SIG.format(16): [[308, 614]], SIG.format(32): [[615, 1228]], SIG.format(48): [[1229, 1843]]}
+    assert coverage["late_token_counts"] == 1536
+    assert coverage["reach"][SIG.format(8)] == [[1, 307]]
+    assert coverage["reach"][SIG.format(64)] == [[1844, 8192]]
+
+
+def test_every_verify_and_draft_batch_is_on_a_warmed_signature(coverage):
+    assert coverage["verify_signatures"] == coverage["draft_signatures"] == [SIG.format(8)]
+
+
+def test_vllm_plans_every_new_count_after_ready(coverage, rendered):
+    """vLLM's B12xExperts._plan caches by exact count: every count but the warm-up's and the
+    capture sizes' gets a fresh b12x plan after READY (whether a plan compiles is b12x's, on a GPU)."""
+    before = {1, rendered["max_batched"], *rendered["sizes"]}
+    assert coverage["plans_after_ready"] == rendered["max_batched"] - len(before) == 8176
+
+
+def test_the_stand_in_glue_is_b12xs_w4a16_branch():
+    """The lines of b12x's plan_tp_moe_execution the checks script stands in for: in W4A16 mode
+    the token count reaches the execution plan only through select_route_block_size_m."""
+    src = b12x_source()
+    if src is None:
+        pytest.skip("the v0.32.0 line's pinned b12x 1.5.1 sources are not unpacked")
+    impl = src / "b12x" / "moe" / "fused_moe" / "_impl.py"
+    fn = next(n for n in ast.parse(impl.read_text()).body
+              if isinstance(n, ast.FunctionDef) and n.name == "plan_tp_moe_execution")
+    text = ast.unparse(fn)
+    assert "route_block_rows = select_route_block_size_m(num_tokens, num_topk, weight_E)" in text
+    assert "regime = MoERegime.MATERIALIZED_PERSISTENT" in text
+    assert "execution = lower_moe_execution(spec, regime=regime, tile_m=dynamic_tile_m" in text
+    layout = next(n for n in ast.parse(impl.read_text()).body
+                  if isinstance(n, ast.FunctionDef) and n.name == "_resolve_workspace_layout")
+    assert "raise RuntimeError('W4A16 policy did not resolve the W4A16 family')" in ast.unparse(layout)
