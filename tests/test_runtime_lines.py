@@ -218,7 +218,7 @@ def test_a_patch_new_on_a_line_is_applied_and_neither_ported_nor_dropped():
     """A line's own patch (no overlay/ patch behind it) is one it applies; it is not a port of a
     seed patch, nor a seed patch upstream took."""
     own = "0014-b12x-warmup-draft-model.patch"
-    assert LINES.get("v0.32.0").own == (own,) and not LINES.get("v0.28.0").own
+    assert LINES.get("v0.32.0").own == (own, "0015-b12x-warmup-every-count.patch") and not LINES.get("v0.28.0").own
     data = _data()
     data["lines"]["v0.32.0"]["series"]["applies"].remove(own)
     with pytest.raises(R.LineDataError, match=f"v0.32.0: own {own} not in the line's series"):

@@ -150,8 +150,15 @@ def report(b12x_src: Path, sizes: list[int], max_batched: int, k: int, max_seqs:
     vllm_b12x._is_current_stream_capturing = lambda: False  # no CUDA stream on this machine
     try:
         with dw._sm12x(120, []):
-            vllm_b12x.B12xExperts.warmup_launches = real_launches  # vLLM's own, with its dedup
+            handed: list[tuple[int, ...]] = []
+
+            def recording(self, layer, *, token_counts):  # vLLM's own, with its dedup, and what it got
+                handed.append(tuple(token_counts))
+                return real_launches(self, layer, token_counts=token_counts)
+
+            vllm_b12x.B12xExperts.warmup_launches = recording
             module.b12x_warmup(worker, list(sizes))
+            vllm_b12x.B12xExperts.warmup_launches = real_launches
             warm_counts = sorted(set(fused.planned))  # the representatives warmup_launches launched
             # Graph capture: a forward of every capture size through every MoE layer; its first
             # b12x call is workspace_shapes -> _plan (a plan made during capture raises).
@@ -193,7 +200,8 @@ def report(b12x_src: Path, sizes: list[int], max_batched: int, k: int, max_seqs:
     return {
         "b12x_warmup": module.__file__,
         "policy": {"routed_sizes": list(routed_sizes), "target_fill": fill},
-        "warmup_counts": list(warmup_counts(sizes, max_batched)),
+        "warmup_counts": sorted(set().union(*handed)),  # what the tree's b12x_warmup handed the units
+        "upstream_counts": list(warmup_counts(sizes, max_batched)),
         "compiled_launch_counts": sorted(fused.launched),
         "warmed_signatures": sorted(warmed),
         "signatures_after_ready": late,

@@ -95,22 +95,29 @@ def test_a_unit_the_target_and_the_draft_share_compiles_once(patched, stock):
                              "1 b12x kernel signature(s) of the draft model are the target model's, warmed once."]
 
 
-def test_without_a_draft_the_warm_up_is_upstreams(patched, stock):
+def test_without_a_draft_the_warm_up_is_upstreams(patched, stock, rendered):
+    """The target alone, as upstream; its counts are upstream's (1, the sizes, the budget) and,
+    with 0015, every count up to the budget besides."""
     run = patched["no draft"]
-    assert run["compiled"] == ["target"] and run["counts"] == stock["no draft"]["counts"], run
+    upstream = stock["no draft"]["counts"]["target"]
+    assert upstream == sorted({1, rendered["max_batched"], *rendered["sizes"]})
+    assert run["compiled"] == ["target"] and run["counts"]["target"] == list(range(1, rendered["max_batched"] + 1))
+    assert set(upstream) <= set(run["counts"]["target"])
     assert run["logged"] == [f"{WARMED} for the target model."]
 
 
 def test_the_drafts_units_get_dsparks_draft_batches(patched, rendered):
-    """The draft's units compile at the same token counts as the target's: 1, the budget and every
-    capture size dspark renders, among them the n x k draft batches no multiple of k + 1 covers
-    (5 and 35 for k=5 and 12 sequences: dspark.graph_dispatch.covering_sizes)."""
+    """The draft's units get the same token counts as the target's: every count up to the budget
+    (0015), so 1, the budget and every capture size dspark renders, among them the n x k draft
+    batches no multiple of k + 1 covers (5 and 35 for k=5 and 12 sequences:
+    dspark.graph_dispatch.covering_sizes)."""
     k, sizes = rendered["k"], rendered["sizes"]
     draft_batches = [s for s in sizes if s % (k + 1)]
     assert k == 5 and draft_batches == [5, 35] and all(s % k == 0 for s in draft_batches)
     counts = patched["draft of its own shape"]["counts"]
-    assert counts["draft"] == counts["target"] == sorted({1, rendered["max_batched"], *sizes})
-    assert set(draft_batches) <= set(counts["draft"])
+    # Every count up to the budget (0015), so upstream's and the draft batches among them.
+    assert counts["draft"] == counts["target"] == list(range(1, rendered["max_batched"] + 1))
+    assert set(draft_batches) | {1, rendered["max_batched"], *sizes} <= set(counts["draft"])
 
 
 def test_off_sm12x_nothing_is_warmed_on_either_tree(patched, stock):
