@@ -218,6 +218,17 @@ def _retired_line_state(state: Path) -> None:
     line_state.write(state, line_state.LineState("v0.29.0", "v0.28.0"))
 
 
+def _serve_to_its_end(tmp_path: Path, serve) -> tuple[int, str]:
+    """The head served from tmp_path's state directory, with a 2 s transient wait: its exit code
+    and its output."""
+    s = serve(write_cluster(tmp_path), "h", "--transient-wait", "2")
+    try:
+        rc = s.proc.wait(timeout=120)
+    finally:
+        out = output(s)
+    return rc, out
+
+
 def test_a_full_state_directory_says_what_is_full_and_stays_restartable(tmp_path, serve):
     state = tmp_path / "state-h"
     state.mkdir()
@@ -234,11 +245,7 @@ def test_a_full_state_directory_says_what_is_full_and_stays_restartable(tmp_path
                     break
         finally:
             os.close(fd)
-        s = serve(write_cluster(tmp_path), "h", "--transient-wait", "2")
-        try:
-            rc = s.proc.wait(timeout=120)
-        finally:
-            out = output(s)
+        rc, out = _serve_to_its_end(tmp_path, serve)
     finally:
         _umount(state)
     assert rc == EXIT_RETRY, out[-3000:]
@@ -256,11 +263,7 @@ def test_a_read_only_state_directory_is_named_with_its_mount_and_stays_restartab
     _mount("--bind", str(src), str(state))
     try:
         _mount("-o", "remount,bind,ro", str(state))
-        s = serve(write_cluster(tmp_path), "h", "--transient-wait", "2")
-        try:
-            rc = s.proc.wait(timeout=120)
-        finally:
-            out = output(s)
+        rc, out = _serve_to_its_end(tmp_path, serve)
     finally:
         _umount(state)
     assert rc == EXIT_RETRY, out[-3000:]

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from dspark import config as C
 from dspark_cli import invoke_dspark
 from hostile import HostileServer, answer
+from test_status_hostile import cluster_for, port
 
 GOOD = {"state": "serving", "node": "w", "rank": 1, "detail": "vLLM serving", "runtime_line": "v0.28.0",
         "vllm_pid": 4242, "vllm_version": "0.28.0", "restarts": 0, "uptime_s": 12.0}
@@ -41,21 +41,6 @@ BAD = [
 ]
 
 
-def port(server) -> int:
-    return int(server.url.rsplit(":", 1)[1])
-
-
-def cluster_for(tmp_path, head_port: int, worker_port: int, api_port: int):
-    data = {"model": {"path": str(tmp_path), "served_name": "m"},
-            "serving": {"tensor_parallel_size": 2, "speculative_config": {}},
-            "nodes": [{"name": "h", "rank": 0, "address": "127.0.0.1", "api_host": "127.0.0.1", "api_port": api_port,
-                       "agent_port": head_port},
-                      {"name": "w", "rank": 1, "address": "127.0.0.2", "agent_port": worker_port}]}
-    path = tmp_path / "cluster.toml"
-    path.write_text(C.dumps(data))
-    return path
-
-
 def row(out: str, name: str) -> list[str]:
     return next(line.split() for line in out.splitlines() if line.split()[:1] == [name])
 
@@ -68,7 +53,7 @@ def test_status_prints_a_row_for_wrong_typed_agent_fields(tmp_path, bad):
     with HostileServer({"/state": answer(json.dumps(head).encode())}) as h, \
             HostileServer({"/state": answer(json.dumps(worker).encode())}, host="127.0.0.2") as w, \
             HostileServer(api) as a:
-        path = cluster_for(tmp_path, port(h), port(w), port(a))
+        path = cluster_for(tmp_path, head_port=port(h), worker_port=port(w), api_port=port(a))
         r = invoke_dspark("status", "--config", str(path))  # an exception here would be the traceback
         j = invoke_dspark("status", "--config", str(path), "--json")
     assert r.returncode == 0 and j.returncode == 0, r.stderr + j.stderr

@@ -142,3 +142,33 @@ def patched_site_032(stock_site_032, tmp_path_factory) -> Path:
     shutil.copytree(stock_site_032, site, dirs_exist_ok=True)
     apply_series(site, line_series(LINE_032))
     return site
+
+
+def _flag_values(argv: list[str], name: str) -> list[int]:
+    i = argv.index(name) + 1
+    values = []
+    while i < len(argv) and not argv[i].startswith("--"):
+        values.append(int(argv[i]))
+        i += 1
+    return values
+
+
+@pytest.fixture(scope="session")
+def rendered_032(tmp_path_factory) -> dict:
+    """What dspark renders for the template cluster (tests/fixtures/cluster-two-node.toml) on the
+    v0.32.0 line: vLLM's capture sizes (which kernel_warmup hands b12x_warmup), its token budget,
+    the speculative tokens and max_num_seqs."""
+    import tomllib
+
+    from dspark import config as C
+    from dspark.render import vllm_argv
+
+    data = tomllib.loads((REPO / "tests" / "fixtures" / "cluster-two-node.toml").read_text())
+    data["serving"]["runtime_line"] = LINE_032
+    path = tmp_path_factory.mktemp("rendered032") / "cluster.toml"
+    path.write_text(C.dumps(data))
+    cluster = C.load(path)
+    argv = vllm_argv(cluster, cluster.head)
+    return {"sizes": _flag_values(argv, "--cudagraph-capture-sizes"),
+            "max_batched": _flag_values(argv, "--max-num-batched-tokens")[0],
+            "k": cluster.serving.num_speculative_tokens, "max_seqs": cluster.serving.max_num_seqs}

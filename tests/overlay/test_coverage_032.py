@@ -28,20 +28,16 @@ from __future__ import annotations
 import ast
 import json
 import os
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark.render import vllm_argv
 
 from .conftest import REPO, run_checks
 
 pytestmark = pytest.mark.vllm
 
 CHECKS = Path(__file__).with_name("coverage_032_checks.py")
-FIXTURE = REPO / "tests" / "fixtures" / "cluster-two-node.toml"
 LINE_LOCK = REPO / "nix" / "lines" / "v0.32.0" / "runtime-lock.json"
 SIG = "w4a16/materialized_persistent/route_block_rows={}"
 
@@ -59,26 +55,9 @@ def b12x_source() -> Path | None:
     return root if (root / "b12x" / "moe" / "_shared" / "execution.py").is_file() else None
 
 
-def _flag_values(argv: list[str], name: str) -> list[int]:
-    i = argv.index(name) + 1
-    values = []
-    while i < len(argv) and not argv[i].startswith("--"):
-        values.append(int(argv[i]))
-        i += 1
-    return values
-
-
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory) -> dict:
-    data = tomllib.loads(FIXTURE.read_text())
-    data["serving"]["runtime_line"] = "v0.32.0"
-    path = tmp_path_factory.mktemp("coverage032") / "cluster.toml"
-    path.write_text(C.dumps(data))
-    cluster = C.load(path)
-    argv = vllm_argv(cluster, cluster.head)
-    return {"sizes": _flag_values(argv, "--cudagraph-capture-sizes"),
-            "max_batched": _flag_values(argv, "--max-num-batched-tokens")[0],
-            "k": cluster.serving.num_speculative_tokens, "max_seqs": cluster.serving.max_num_seqs}
+def rendered(rendered_032) -> dict:
+    return rendered_032
 
 
 def _coverage(site: Path, python, rendered: dict) -> dict:

@@ -12,45 +12,20 @@ budget dspark renders for the template cluster on this line (DSpark k=5, 12 sequ
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark.render import vllm_argv
 
-from .conftest import REPO, run_checks
+from .conftest import run_checks
 
 CHECKS = Path(__file__).with_name("draft_warmup_032_checks.py")
-FIXTURE = REPO / "tests" / "fixtures" / "cluster-two-node.toml"
 WARMED = "Warmed up 1 b12x MoE kernel signature(s)"
 
 
-def _flag_values(argv: list[str], name: str) -> list[int]:
-    i = argv.index(name) + 1
-    values = []
-    while i < len(argv) and not argv[i].startswith("--"):
-        values.append(int(argv[i]))
-        i += 1
-    return values
-
-
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory) -> dict:
-    """What dspark renders for the template cluster on the v0.32.0 line: vLLM's capture sizes (which
-    kernel_warmup hands b12x_warmup) and its token budget."""
-    data = tomllib.loads(FIXTURE.read_text())
-    data["serving"]["runtime_line"] = "v0.32.0"
-    path = tmp_path_factory.mktemp("draft-warmup") / "cluster.toml"
-    path.write_text(C.dumps(data))
-    cluster = C.load(path)
-    argv = vllm_argv(cluster, cluster.head)
-    return {
-        "sizes": _flag_values(argv, "--cudagraph-capture-sizes"),
-        "max_batched": _flag_values(argv, "--max-num-batched-tokens")[0],
-        "k": cluster.serving.num_speculative_tokens,
-    }
+def rendered(rendered_032) -> dict:
+    return rendered_032
 
 
 def _run(site: Path, python, rendered: dict) -> dict:

@@ -99,12 +99,12 @@ def dsv4_tensors(cfg: dict) -> list[Tensor]:
     h = cfg["hidden_size"]
     vocab = cfg["vocab_size"]
     head_dim, q_rank = cfg["head_dim"], cfg["q_lora_rank"]
-    inter, experts = cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    experts = cfg["n_routed_experts"]
     hc = cfg["hc_mult"]
     idx_heads, idx_dim = cfg["index_n_heads"], cfg["index_head_dim"]
     vision = int(cfg.get("vision_n_layers") or 0) > 0
     rows = Tensors()
-    out, t, fp8, mxfp4 = rows.out, rows.t, rows.fp8, rows.mxfp4
+    out, t, fp8 = rows.out, rows.t, rows.fp8
 
     def layer(p: str, ratio: int, hashed: bool) -> None:
         rows.layer_head(p, cfg, experts)
@@ -114,13 +114,7 @@ def dsv4_tensors(cfg: dict) -> list[Tensor]:
             t(f"{p}.ffn.gate.bias", "F32", experts)
         if vision:
             t(f"{p}.ffn.gate.bias_vl", "F32", experts)
-        fp8(f"{p}.ffn.shared_experts.w1", inter, h)
-        fp8(f"{p}.ffn.shared_experts.w3", inter, h)
-        fp8(f"{p}.ffn.shared_experts.w2", h, inter)
-        for e in range(experts):
-            mxfp4(f"{p}.ffn.experts.{e}.w1", inter, h)
-            mxfp4(f"{p}.ffn.experts.{e}.w3", inter, h)
-            mxfp4(f"{p}.ffn.experts.{e}.w2", h, inter)
+        rows.layer_experts(p, cfg, experts)
         if ratio:
             coff = 2 if ratio == 4 else 1  # C4A compresses overlapping windows
             t(f"{p}.attn.compressor.ape", "F32", ratio, coff * head_dim)

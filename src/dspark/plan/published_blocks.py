@@ -48,3 +48,14 @@ class Tensors:
         self.fp8(f"{p}.attn.wo_a", groups * o_rank, heads * head_dim // groups)
         self.fp8(f"{p}.attn.wo_b", h, groups * o_rank)
         self.t(f"{p}.ffn.gate.weight", "BF16", experts, h)
+
+    def layer_experts(self, p: str, cfg: dict, experts: int) -> None:
+        """Layer ``p``'s FP8 shared expert and its ``experts`` MXFP4 routed experts."""
+        h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+        self.fp8(f"{p}.ffn.shared_experts.w1", inter, h)
+        self.fp8(f"{p}.ffn.shared_experts.w3", inter, h)
+        self.fp8(f"{p}.ffn.shared_experts.w2", h, inter)
+        for e in range(experts):
+            self.mxfp4(f"{p}.ffn.experts.{e}.w1", inter, h)
+            self.mxfp4(f"{p}.ffn.experts.{e}.w3", inter, h)
+            self.mxfp4(f"{p}.ffn.experts.{e}.w2", h, inter)

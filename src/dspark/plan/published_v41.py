@@ -106,7 +106,7 @@ def dsv41_tensors(cfg: dict) -> list[Tensor]:
     """(name, dtype, shape) of every tensor, derived from the flat config."""
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     head_dim, q_rank = cfg["head_dim"], cfg["q_lora_rank"]
-    inter, hc = cfg["moe_intermediate_size"], cfg["hc_mult"]
+    hc = cfg["hc_mult"]
     idx_heads, idx_dim = cfg["index_n_heads"], cfg["index_head_dim"]
     row_block, col_block = cfg["quantization_config"]["weight_block_size"]
     ratios, n_layers = cfg["compress_ratios"], cfg["num_hidden_layers"]
@@ -115,19 +115,13 @@ def dsv41_tensors(cfg: dict) -> list[Tensor]:
     engram_dim = cfg["engram_head_dim"]
     engram_in = (cfg["engram_max_ngram_size"] - 1) * cfg["engram_n_heads"] * engram_dim
     rows = Tensors((row_block, col_block))
-    out, t, fp8, mxfp4 = rows.out, rows.t, rows.fp8, rows.mxfp4
+    out, t, fp8 = rows.out, rows.t, rows.fp8
 
     def layer(p: str, i: int, experts: int) -> None:
         rows.layer_head(p, cfg, experts)
         t(f"{p}.ffn.gate.bias", "F32", experts)
         t(f"{p}.ffn.gate.bias_vl", "F32", experts)
-        fp8(f"{p}.ffn.shared_experts.w1", inter, h)
-        fp8(f"{p}.ffn.shared_experts.w3", inter, h)
-        fp8(f"{p}.ffn.shared_experts.w2", h, inter)
-        for e in range(experts):
-            mxfp4(f"{p}.ffn.experts.{e}.w1", inter, h)
-            mxfp4(f"{p}.ffn.experts.{e}.w3", inter, h)
-            mxfp4(f"{p}.ffn.experts.{e}.w2", h, inter)
+        rows.layer_experts(p, cfg, experts)
         if i in kv_sources:
             t(f"{p}.attn.compressor.wkv.weight", "BF16", head_dim, h)
             t(f"{p}.attn.compressor.norm.weight", "BF16", head_dim)

@@ -109,15 +109,10 @@ class Scan:
         """`p` itself (a file, or a directory others could add to) and the directories above it,
         along the path as written and along the path its links resolve to."""
         p = Path(os.path.abspath(p))
-        if p in self._seen:
-            return
-        self._seen.add(p)
-        try:
-            st = os.lstat(p)
-        except OSError:
-            return
-        self._above(p, st)
-        self._itself(p, st)
+        st = self._first_stat(p)
+        if st is not None:
+            self._above(p, st)
+            self._itself(p, st)
 
     def tree(self, root: Path) -> None:
         """`root` and everything under it (bounded), links not followed."""
@@ -142,14 +137,20 @@ class Scan:
 
     def _entry(self, p: Path) -> None:
         """An entry whose directory is already looked at: only itself."""
+        st = self._first_stat(p)
+        if st is not None:
+            self._itself(p, st)
+
+    def _first_stat(self, p: Path) -> os.stat_result | None:
+        """`p`'s own stat (links not followed) the first time it is looked at; None after that,
+        or when it cannot be read."""
         if p in self._seen:
-            return
+            return None
         self._seen.add(p)
         try:
-            st = os.lstat(p)
+            return os.lstat(p)
         except OSError:
-            return
-        self._itself(p, st)
+            return None
 
     def _itself(self, p: Path, st: os.stat_result) -> None:
         if stat.S_ISLNK(st.st_mode):  # e.g. the Hugging Face cache's snapshot -> blob links
