@@ -131,7 +131,8 @@ class Supervisor:
         self.state = S.NodeState(node=node.name, rank=node.rank, role="head" if node.is_head else "worker",
                                  restarts=_count_start(state_dir) if count_start else _read_starts(state_dir),
                                  api_url=cluster.head.api_url if node.is_head else None,
-                                 runtime_line=cluster.serving.runtime_line, file_line=self.file_line)
+                                 runtime_line=cluster.serving.runtime_line, file_line=self.file_line,
+                                 resumed=not count_start)
         import threading
 
         self._lock = threading.Lock()
@@ -159,6 +160,7 @@ class Supervisor:
 
     def set_state(self, state: str, detail: str = "") -> None:
         with self._lock:
+            self.state.record_state(state, detail)  # the node's event ring (the dashboard's timeline)
             if state != self.state.state:
                 self.state.state_since = time.time()
             self.state.state = state

@@ -51,6 +51,12 @@ PROMPT_TOKENS_CACHED = "vllm:prompt_tokens_cached"
 PREEMPTIONS = "vllm:num_preemptions"
 GENERATION_TOKENS = "vllm:generation_tokens"
 REQUEST_SUCCESS = "vllm:request_success"
+# vllm:request_success counts every finished request, by why it finished (vLLM 0.28.0's
+# v1/engine FinishReason: stop, length, abort, error, repetition). "abort": the client went away
+# (or the server aborted it at a stop); "error": a request-level internal error (an HTTP 500).
+FINISHED_REASON_LABEL = "finished_reason"
+FINISHED_ABORT = "abort"
+FINISHED_ERROR = "error"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts"

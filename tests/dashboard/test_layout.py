@@ -1,9 +1,11 @@
 """The page at any node count: 2, 4 and 8 nodes at 1,280, 1,600 and 1,920 px
 in Debian's headless Chromium, without the pair: the dashboard's real collector and server, real
 node agents serving wide but real-shaped states (7-digit PIDs, a day of uptime, three-digit
-proof ages, GPU and NVMe readings, a runtime-line switch under way with the last node still on
-the old line: the switch strip, a runtime line on every card and one card's warning note), and
-vLLM's /metrics from a captured scrape.
+proof ages, GPU and NVMe readings, a GB10's memory, a runtime-line switch under way with the last
+node still on the old line: the switch strip, a runtime line on every card and one card's warning
+note; events of every kind with long details in each node's ring), and vLLM's /metrics from a
+captured scrape. The history charts (throughput, latency, request rate, queue, KV cache) and the
+event timeline are measured with the rest, and each time axis must carry clock-time ticks.
 
 Overflow is read from the DOM, not judged by eye: every value and label must fit its own box
 and its card, every label and value must stay on one line, and the page must not scroll
@@ -12,6 +14,7 @@ each combination leaves a screenshot in test-artifacts/."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -32,13 +35,16 @@ WIDTHS = (1280, 1600, 1920)
 HEIGHT = 1000
 HARDWARE = {"gpus": [{"name": "NVIDIA GB10", "temperature_c": 71.0, "power_w": 123.4, "utilization_pct": 100.0}],
             "nvme_temperature_c": 58.0}
+# A GB10's unified memory, mostly taken (the widest figures a card shows: "118.9 of 119.7 GiB")
+GB10_MEMORY = {"total_bytes": 128_526_266_368, "used_bytes": 127_650_000_000, "available_bytes": 876_266_368,
+               "source": "meminfo"}
 
 # Values (one line, inside their card), labels (one line, inside their card) and free text
 # that may wrap but must stay inside its card. A card is a node card, else a panel, else the header.
 MEASURE = """
 const VALUES = '.v, .state, .badge';
-const LABELS = 'th, td:not(.v), h2, h3, header .meta, .axis > span, .yaxis > span';
-const TEXT = '.detail, .note, .linenote, .banner';
+const LABELS = 'th, td:not(.v), h2, h3, header .meta, .axis > span, .yaxis > span, .evtime, .evnode, .evkind';
+const TEXT = '.detail, .note, .linenote, .banner, .evdetail';
 const card = (e) => e.closest('.node') || e.closest('.panel') || e.closest('header');
 const lines = (e) => {
   const r = document.createRange(); r.selectNodeContents(e);
@@ -54,7 +60,13 @@ const describe = (e) => (e.dataset.field || e.dataset.panel || e.tagName.toLower
 const out = {clipped: [], outside: [], wrapped: [], checked: 0,
              scrollWidth: document.scrollingElement.scrollWidth, innerWidth: window.innerWidth,
              cards: document.querySelectorAll('.node').length,
-             lines: Array.from(document.querySelectorAll('.node [data-field=runtime_line]')).map((e) => e.textContent)};
+             lines: Array.from(document.querySelectorAll('.node [data-field=runtime_line]')).map((e) => e.textContent),
+             ticks: Object.fromEntries(Array.from(document.querySelectorAll('.xaxis')).map((a) => [a.id,
+               Array.from(a.children).map((e) => e.textContent)])),
+             memory: Array.from(document.querySelectorAll('.node [data-field=mem_used]')).map((e) => e.textContent),
+             eventRows: Array.from(document.querySelectorAll('#y-events > span')).map((e) => e.textContent),
+             marks: document.querySelectorAll('#chart-events .mark').length,
+             events: document.querySelectorAll('#events li.event').length};
 const seen = new Set();
 for (const [sel, oneLine] of [[VALUES, true], [LABELS, true], [TEXT, false]]) {
   for (const e of document.querySelectorAll(sel)) {
@@ -78,6 +90,13 @@ return out;
 
 
 SWITCH = {"id": "20261202T174500Z-v0.28.0-to-v0.32.0", "from": "v0.28.0", "to": "v0.32.0", "rollback": False}
+EVENTS = [("restart", "restart 12; rank 0 of 8; runtime line v0.28.0"),
+          ("stage", "loading: Starting to load model /var/lib/dspark/models/DeepSeek-V4-Flash"),
+          ("serving", "API on http://192.168.100.10:8000"),
+          ("liveness", "not alive: the 1-token completion timed out after 30 s; no progress for 45 s while "
+                       "4 requests ran (generated tokens and KV-cache usage unchanged)"),
+          ("switch", "runtime-line switch v0.28.0 → v0.32.0 under way (20261202T174500Z-v0.28.0-to-v0.32.0)"),
+          ("drain", "switching to runtime line v0.32.0: draining the requests in flight (up to 60 s)")]
 
 
 def node_states(n: int) -> dict[str, A.NodeState]:
@@ -90,6 +109,8 @@ def node_states(n: int) -> dict[str, A.NodeState]:
                          vllm_pid=4_194_300 + rank, vllm_version="0.28.0", restarts=12,
                          started_at=now - 100_000, state_since=now - 90_000,
                          runtime_line="v0.28.0" if rank == n - 1 else "v0.32.0", file_line="v0.28.0")
+        for i, (kind, detail) in enumerate(EVENTS):
+            st.record(kind, detail, at=now - 100 + 12 * i + rank / 2)  # inside the charts' 150 s
         if rank == 0:
             st.detail = "serving: API on http://192.168.100.10:8000"
             st.api_url = "http://192.168.100.10:8000"
@@ -108,7 +129,8 @@ class Dashboard:
     def __init__(self, n: int, metrics_url: str):
         self.states = node_states(n)
         # The agent's answer with hardware readings, the shape the collector takes from an agent.
-        self.agents = {name: A.Agent("127.0.0.1", 0, lambda st=st: {**st.snapshot(), "hardware": HARDWARE}).start()
+        self.agents = {name: A.Agent("127.0.0.1", 0, lambda st=st: {**st.snapshot(), "hardware": HARDWARE,
+                                                                    "memory": GB10_MEMORY}).start()
                        for name, st in self.states.items()}
         nodes = tuple(C.NodeTarget(name, st.rank, st.role, f"http://127.0.0.1:{self.agents[name].port}")
                       for name, st in self.states.items())
@@ -176,6 +198,16 @@ def test_nothing_clipped_wrapped_or_scrolling(session, nodes, width, artifacts_d
     assert m["cards"] == nodes
     assert m["lines"] == ["v0.32.0"] * (nodes - 1) + ["v0.28.0"], m["lines"]  # measured with the rest
     assert m["checked"] > 60, m  # the measure saw the page, not an empty one
+    assert m["memory"] == ["118.9 of 119.7 GiB"] * nodes, m["memory"]
+    # every chart's time axis: clock times between its ends, "now" at the right
+    assert set(m["ticks"]) == {"x-chart", "x-latency", "x-rate", "x-queue", "x-kv", "x-events"}, m["ticks"]
+    for axis, labels in m["ticks"].items():
+        assert labels[-1] == "now" and len(labels) >= 2, (axis, labels)
+        assert all(re.fullmatch(r"\d\d:\d\d(:\d\d)?", t) for t in labels[:-1]), (axis, labels)
+    # the timeline: a row per node, every node's events marked and listed
+    assert m["eventRows"] == [f"dgx-spark-{r + 1:02d}" for r in range(nodes)], m["eventRows"]
+    recorded = sum(len(st.events) for st in dashboards[nodes].states.values())  # the head's switch and verdict too
+    assert m["marks"] >= nodes * len(EVENTS) and m["events"] == min(40, recorded), (m, recorded)
     assert m["innerWidth"] == width
     problems = m["clipped"] + m["outside"] + m["wrapped"]
     assert not problems, "\n".join(problems)

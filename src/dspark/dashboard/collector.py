@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+from .. import host_memory
 from .. import states as A
 from ..agent_client import AgentAnswer, fetch_state, is_lost  # noqa: F401 (AgentAnswer: re-exported)
 from .. import vllm_facts as F
@@ -38,6 +39,16 @@ VERSION_REFRESH_S = 30.0
 
 
 DEFAULT_INTERVAL_S = 1.0  # seconds between polls (`dspark dashboard --interval`)
+# The timeline: the nodes' events (dspark.states.NodeState.events) merged, and the dashboard's own
+# "lost" (an agent gone without a word: a kill -9, a host down). EVENTS_KEPT in memory, the newest
+# EVENTS_SHOWN of them in each snapshot.
+EVENTS_KEPT = 512
+EVENTS_SHOWN = 100
+EVENT_TEXT_MAX = 240
+LATENCIES = (("ttft_s", F.TTFT), ("itl_s", F.ITL), ("e2e_s", F.E2E))
+QUANTILE_KEYS = ("p50_low", "p50_high", "p95_low", "p95_high")
+HISTORY_KEYS = ("t", "decode_tps", "prefill_tps", "running", "waiting", "kv_cache_usage",
+                "requests_per_s", "errors", "aborts", "latency")
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,9 @@ class Targets:
 class _NodeMemory:
     last_ok: float | None = None  # monotonic time of the last answer
     last: dict | None = None
+    events_at: float = -math.inf  # the newest event taken from this node's ring
+    events_keys: frozenset = frozenset()  # the events taken at exactly that time
+    lost: bool = False  # a "lost" event is in the timeline since the agent last answered
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
@@ -90,6 +104,9 @@ class Collector:
         self.hwmon = hwmon
         self.history: deque[tuple] = deque(maxlen=history_len)
         self.scrapes: deque[Scrape] = deque(maxlen=max(2, int(window_s / interval_s) + 1))
+        # vllm:request_success by finished_reason, one per scrape in self.scrapes (None: not said)
+        self.reasons: deque[dict[str, float] | None] = deque(maxlen=self.scrapes.maxlen)
+        self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
         self.window_s = window_s
         self.resets = 0
         self.rounds = 0
@@ -147,7 +164,7 @@ class Collector:
         metrics_f = self._pool.submit(self._fetch_metrics)
         agent_fs = {n.name: self._pool.submit(self._fetch_agent, n.agent_url) for n in self.targets.nodes}
         now = time.monotonic()
-        scrape, error = metrics_f.result()
+        scrape, error, reasons = metrics_f.result()
         agents = {name: f.result() for name, f in agent_fs.items()}
         if scrape is not None:
             if self.scrapes:
@@ -155,6 +172,7 @@ class Collector:
                 if iv.reset:
                     self.resets += 1
                     self.scrapes.clear()  # the latency window restarts with the new process
+                    self.reasons.clear()
                 self._last_interval = iv
                 if iv.active:
                     for key in self._active:
@@ -163,24 +181,26 @@ class Collector:
                             self._active[key][0] += v
                             self._active[key][1] += 1
             self.scrapes.append(scrape)
+            self.reasons.append(reasons)
         else:
             self._last_interval = None
         self.rounds += 1
         return self._render(now, scrape, error, agents)
 
-    def _fetch_metrics(self) -> tuple[Scrape | None, str | None]:
+    def _fetch_metrics(self) -> tuple[Scrape | None, str | None, dict[str, float] | None]:
         url = self.targets.api_url + F.METRICS
         try:
             r = request(url, timeout=self.timeout_s, token=self.api_token)
         except HTTPFailure as e:
-            return None, f"unreachable: {e}"
+            return None, f"unreachable: {e}", None
         at = time.monotonic()
         if r.status != 200:
-            return None, f"{url}: HTTP {r.status}"
+            return None, f"{url}: HTTP {r.status}", None
+        text = r.body.decode("utf-8", errors="replace")
         try:
-            return parse(r.body.decode("utf-8", errors="replace"), at), None
+            return parse(text, at), None, rates.finished_by_reason(text)
         except MetricsError as e:
-            return None, str(e)
+            return None, str(e), None
 
     def _fetch_agent(self, url: str) -> AgentAnswer:
         return fetch_state(url, timeout=self.timeout_s)
@@ -223,6 +243,15 @@ class Collector:
             state, detail = A.FAILED, lost
         else:
             state, detail, holds = last.get("state", UNREACHABLE), "agent did not answer this round", last
+        if s is not None:
+            mem.lost = False
+            self._take_events(t.name, mem, s.get("events"))
+        elif state == A.FAILED and mem.last_ok is not None and not mem.lost:
+            # The agent is gone without a clean stop: its own ring says nothing more (a kill -9, a
+            # crash, a host down), so the timeline says it from here.
+            mem.lost = True
+            self._add_event({"at": round(time.time(), 3), "node": t.name, "kind": "lost", "detail": detail,
+                             "by": "dashboard"})
         if isinstance(last.get("hardware"), dict):
             hw, source = last["hardware"], "agent"
         elif t.name == self.targets.local_node:
@@ -240,7 +269,34 @@ class Collector:
             "liveness": _liveness(last.get("liveness")),
             "hardware": {"source": source, "gpus": hw.get("gpus") or [],
                          "nvme_temperature_c": hw.get("nvme_temperature_c")},
+            "memory": _memory(last.get("memory")),
         }, holds
+
+    def _take_events(self, node: str, mem: _NodeMemory, events) -> None:
+        """The events of a node's ring that the timeline does not hold yet: those after the newest
+        taken (the ring is in time order; a restarted node's new ring starts later)."""
+        if not isinstance(events, list):
+            return
+        newest, keys = mem.events_at, set(mem.events_keys)
+        for e in events[-A.EVENTS_MAX:]:
+            ev = _event(e, node)
+            if ev is None:
+                continue
+            key = (ev["at"], ev["kind"], ev["detail"])
+            if ev["at"] < mem.events_at or (ev["at"] == mem.events_at and key in mem.events_keys):
+                continue
+            self._add_event(ev)
+            if ev["at"] > newest:
+                newest, keys = ev["at"], set()
+            keys.add(key)
+        mem.events_at, mem.events_keys = newest, frozenset(keys)
+
+    def _add_event(self, ev: dict) -> None:
+        self.events.append(ev)
+        if len(self.events) > 1 and self.events[-2]["at"] > ev["at"]:  # nodes' events interleave
+            ordered = sorted(self.events, key=lambda e: e["at"])
+            self.events.clear()
+            self.events.extend(ordered)
 
     def _lines(self, nodes: list[dict], answers: list[dict | None]) -> dict:
         """Which runtime line the pair runs (the head's), which nodes run another one (marked in
@@ -296,12 +352,20 @@ class Collector:
         else:
             vllm.update({"throughput": None, "tokens": None, "requests": None, "kv_cache_usage": None,
                          "latency": None, "spec_decode": None, "idle": None})
+        vllm["finished"] = self._finished(scrape, iv) if scrape is not None else None
         if self.rounds:
             g = scrape.gauges if scrape is not None else {}
+            fin = vllm["finished"] or {}
+            lat = vllm["latency"] or {}
             self.history.append((round(time.time(), 3), _r(iv.decode_tps if iv else None),
                                  _r(iv.prefill_tps if iv else None), g.get(F.RUNNING), g.get(F.WAITING),
-                                 _r(g.get(F.KV_USAGE), 4)))
-        cols = list(zip(*self.history)) if self.history else [()] * 6
+                                 _r(g.get(F.KV_USAGE), 4), fin.get("per_s"), fin.get("errors_interval"),
+                                 fin.get("aborts_interval"),
+                                 {key: _quantiles(lat.get(key)) for key, _ in LATENCIES}))
+        cols = list(zip(*self.history)) if self.history else [()] * len(HISTORY_KEYS)
+        history: dict = {"capacity": self.history.maxlen, **{k: list(v) for k, v in zip(HISTORY_KEYS, cols)}}
+        history["latency"] = {key: {q: [p[key][i] for p in history["latency"]] for i, q in enumerate(QUANTILE_KEYS)}
+                              for key, _ in LATENCIES}
         snap = {
             "schema_version": SCHEMA_VERSION,
             "generated_at": round(time.time(), 3),
@@ -313,13 +377,53 @@ class Collector:
             "runtime_line": lines,
             "vllm": vllm,
             "nodes": nodes,
-            "history": {"capacity": self.history.maxlen, **{k: list(v) for k, v in zip(
-                ("t", "decode_tps", "prefill_tps", "running", "waiting", "kv_cache_usage"), cols)}},
+            "history": history,
+            "events": list(self.events)[-EVENTS_SHOWN:],
         }
         data = json.dumps(snap, separators=(",", ":")).encode()
         with self._lock:
             self._snapshot, self._json = snap, data
         return snap
+
+    def _finished(self, scrape: Scrape, iv: rates.Interval | None) -> dict:
+        """Finished requests: the rate over the last interval and over the window, and by why they
+        finished (errors and aborts), from vllm:request_success and its finished_reason label. The
+        scrapes and their reasons are in self.scrapes and self.reasons, `scrape` the last of them
+        (both restart at a counter reset: the window is the new process's)."""
+        total = scrape.counters.get(F.REQUEST_SUCCESS)
+        reasons = self.reasons[-1]
+        reset = iv is not None and iv.reset
+        prev = self.scrapes[-2] if len(self.scrapes) >= 2 else None
+        before = self.reasons[-2] if len(self.reasons) >= 2 else None
+        old, first = self.scrapes[0], self.reasons[0]
+        per_s = window_per_s = None
+        if iv is not None and total is not None and iv.dt_s > 0:
+            d = rates.counter_delta(prev.counters.get(F.REQUEST_SUCCESS) if prev else None, total, reset)
+            per_s = None if d is None else d / iv.dt_s
+        if old is not scrape and total is not None and scrape.at > old.at:
+            d = rates.counter_delta(old.counters.get(F.REQUEST_SUCCESS), total, False)
+            window_per_s = None if d is None else d / (scrape.at - old.at)
+
+        def in_window(reason: str) -> float | None:
+            if reasons is None:
+                return None
+            return max(0.0, reasons.get(reason, 0.0) - (first or {}).get(reason, 0.0)) if old is not scrape else 0.0
+
+        def in_interval(reason: str) -> float | None:
+            return rates.reason_delta(before, reasons, reason, reset) if iv is not None else None
+
+        return {
+            "per_s": _r(per_s),
+            "window_per_s": _r(window_per_s),
+            "window_s": _r(scrape.at - old.at, 1),
+            "total": total,
+            "errors_total": reasons.get(F.FINISHED_ERROR, 0.0) if reasons is not None else None,
+            "aborts_total": reasons.get(F.FINISHED_ABORT, 0.0) if reasons is not None else None,
+            "errors_window": in_window(F.FINISHED_ERROR),
+            "aborts_window": in_window(F.FINISHED_ABORT),
+            "errors_interval": in_interval(F.FINISHED_ERROR),
+            "aborts_interval": in_interval(F.FINISHED_ABORT),
+        }
 
     @staticmethod
     def _spec(scrape: Scrape, iv: rates.Interval | None) -> dict | None:
@@ -330,6 +434,45 @@ class Collector:
                                     "lifetime": _r(life["acceptance_rate"], 4)},
                 "mean_acceptance_length": _r(life["mean_acceptance_length"], 3),
                 "draft_tokens": life["draft_tokens"], "accepted_tokens": life["accepted_tokens"]}
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _memory(m) -> dict | None:
+    """A node's memory as its agent reports it (dspark.host_memory); None for anything else."""
+    if not isinstance(m, dict) or m.get("source") not in host_memory.SOURCES:
+        return None
+    figures: dict[str, int] = {}
+    for k in ("total_bytes", "used_bytes", "available_bytes"):
+        v = m.get(k)
+        if not _number(v) or cast(float, v) < 0:
+            return None
+        figures[k] = int(cast(float, v))
+    if not figures["total_bytes"]:
+        return None
+    return {**figures, "source": m["source"]}
+
+
+def _event(e, node: str) -> dict | None:
+    """One event of a node's ring (dspark.states.NodeState.events); None for anything else."""
+    if not isinstance(e, dict) or not _number(e.get("at")) or e["at"] <= 0:
+        return None
+    kind, detail = e.get("kind"), e.get("detail", "")
+    if not isinstance(kind, str) or not 0 < len(kind) <= 32 or not isinstance(detail, str):
+        return None
+    return {"at": round(float(e["at"]), 3), "node": node, "kind": kind, "detail": detail[:EVENT_TEXT_MAX],
+            "by": "node"}
+
+
+def _quantiles(lat: dict | None) -> tuple:
+    """(p50 low, p50 high, p95 low, p95 high) of one latency over the window, for the history;
+    None where nothing finished in it (a high of None: unbounded)."""
+    if not lat:
+        return (None,) * 4
+    p50, p95 = lat.get("p50_range") or (None, None), lat.get("p95_range") or (None, None)
+    return (p50[0], p50[1], p95[0], p95[1])
 
 
 def _liveness(live) -> dict | None:

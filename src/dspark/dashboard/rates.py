@@ -223,3 +223,37 @@ def spec_decode(cur: Scrape) -> dict | None:
         return None
     return {"drafts": s.drafts, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
             "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length}
+
+# ------------------------------------------------------------------------- finished requests
+
+_FINISHED_SAMPLE = F.REQUEST_SUCCESS + "_total"
+
+
+def finished_by_reason(text: str) -> dict[str, float] | None:
+    """vllm:request_success_total summed by its finished_reason label (stop, length, abort, error,
+    repetition on vLLM 0.28.0), over every engine; None when no sample carries that label (a vLLM
+    that does not say why, or no such metric). Only that metric's lines are parsed; a malformed one
+    reads as None (the strict parse of the rest already judged the page)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    lines = [line for line in text.splitlines() if line.startswith(_FINISHED_SAMPLE + "{")]
+    if not lines:
+        return None
+    out: dict[str, float] = {}
+    try:
+        for fam in text_string_to_metric_families("\n".join(lines) + "\n"):
+            for s in fam.samples:
+                reason = s.labels.get(F.FINISHED_REASON_LABEL)
+                if s.name == _FINISHED_SAMPLE and reason and s.value >= 0 and s.value == s.value:
+                    out[reason] = out.get(reason, 0.0) + s.value
+    except Exception:  # noqa: BLE001 (the parser raises whatever a malformed line provokes)
+        return None
+    return out or None
+
+
+def reason_delta(old: dict[str, float] | None, cur: dict[str, float] | None, reason: str,
+                 reset: bool) -> float | None:
+    """Requests that finished for `reason` between two scrapes (None where either does not say)."""
+    if cur is None or (old is None and not reset):
+        return None
+    return counter_delta(old.get(reason, 0.0) if old is not None else None, cur.get(reason, 0.0), reset)

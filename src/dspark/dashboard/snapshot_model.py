@@ -138,6 +138,29 @@ class SpecDecode:
 
 
 @dataclass
+class Finished:
+    per_s: float | None = about(
+        "finished requests per second over the last poll interval, every reason, the head's liveness "
+        "probes included (null until two scrapes)",
+        minimum=0)
+    window_per_s: float | None = about("finished requests per second over the window", minimum=0)
+    window_s: float | None = about("seconds the window covers (up to 60; the latency window)", minimum=0)
+    total: float | None = about("finished requests since vLLM started (vllm:request_success)", minimum=0)
+    errors_total: float | None = about(
+        'requests that finished with an error since vLLM started (finished_reason="error": a request-level '
+        "internal error, answered HTTP 500); null when vLLM does not label why a request finished",
+        minimum=0)
+    aborts_total: float | None = about(
+        'requests aborted since vLLM started (finished_reason="abort": the client went away, or a stop '
+        "cut them short); null when vLLM does not label why",
+        minimum=0)
+    errors_window: float | None = about("errors in the window", minimum=0)
+    aborts_window: float | None = about("aborts in the window", minimum=0)
+    errors_interval: float | None = about("errors in the last poll interval", minimum=0)
+    aborts_interval: float | None = about("aborts in the last poll interval", minimum=0)
+
+
+@dataclass
 class Vllm:
     available: bool = about(
         "false when /metrics was unreachable, not HTTP 200, or not parseable vLLM metrics")
@@ -156,6 +179,9 @@ class Vllm:
     idle: bool | None = about(
         "nothing running or waiting in this scrape: the figures that still move are the head's "
         "liveness probes")
+    finished: Finished | None = about(
+        "request rate, errors and aborts (vllm:request_success by finished_reason); null while "
+        "vLLM is unavailable")
 
 
 @dataclass
@@ -181,6 +207,16 @@ class Hardware:
     gpus: list[Gpu] = about("one entry per GPU; empty when NVML is absent or finds none (shown n/a)")
     nvme_temperature_c: float | None = about(
         "hottest NVMe composite temperature from sysfs hwmon, °C; null when none")
+
+
+@dataclass
+class Memory:
+    total_bytes: int = about("the host's memory; on a GB10 the unified memory CPU and GPU share", minimum=1)
+    used_bytes: int = about("in use: total - available", minimum=0)
+    available_bytes: int = about(
+        "what a new allocation can still get without swapping (MemAvailable; NVML's free)", minimum=0)
+    source: Literal["nvml", "meminfo"] = about(
+        "nvml: the GPU's NVML answered; meminfo: the kernel's /proc/meminfo (dspark.host_memory)")
 
 
 @dataclass
@@ -219,6 +255,26 @@ class Node:
         "KV-cache usage moved while requests ran or waited) or 'probe' (a 1-token completion while "
         "idle)")
     hardware: Hardware = about()
+    memory: Memory | None = about(
+        "the node's memory as its agent last reported it; null when the agent does not report it")
+
+
+@dataclass
+class QuantileHistory:
+    p50_low: list[float | None] = about(
+        "per poll: the low end of the range the window's p50 {what} provably lies in (rates.quantile_range), "
+        "seconds; null when nothing finished in the window",
+        minimum=0)
+    p50_high: list[float | None] = about("per poll: its high end (null: unbounded, or nothing finished)", minimum=0)
+    p95_low: list[float | None] = about("per poll: the low end of the p95's range, seconds", minimum=0)
+    p95_high: list[float | None] = about("per poll: its high end (null: unbounded, or nothing finished)", minimum=0)
+
+
+@dataclass
+class LatencyHistory:
+    ttft_s: QuantileHistory = about(what="time to first token")
+    itl_s: QuantileHistory = about(what="inter-token latency")
+    e2e_s: QuantileHistory = about(what="end-to-end latency")
 
 
 @dataclass
@@ -230,6 +286,26 @@ class History:
     running: list[float | None] = about("running requests", minimum=0)
     waiting: list[float | None] = about("waiting requests", minimum=0)
     kv_cache_usage: list[float | None] = about("KV-cache usage 0..1", minimum=0, maximum=1)
+    requests_per_s: list[float | None] = about("finished requests per second per poll", minimum=0)
+    errors: list[float | None] = about(
+        "requests that finished with an error in each poll interval; null where vLLM does not say",
+        minimum=0)
+    aborts: list[float | None] = about("requests aborted in each poll interval", minimum=0)
+    latency: LatencyHistory = about(
+        "the p50 and p95 ranges of each latency over the (60 s) window, per poll, one list per bound")
+
+
+@dataclass
+class Event:
+    at: float = about("unix time of the event, by the clock of the node that recorded it", exclusiveMinimum=0)
+    node: str = about("the node it happened on")
+    kind: str = about(
+        "start, restart, switch, backoff, stage, serving, liveness, drain, stopping, stopped, failed "
+        "(dspark.states.EVENT_KINDS, from the node's agent), or lost (the dashboard's own: the agent "
+        "went silent without a word)",
+        minLength=1, maxLength=32)
+    detail: str = about()
+    by: Literal["node", "dashboard"] = about("who recorded it: the node's supervisor, or this dashboard")
 
 
 @dataclass
@@ -255,6 +331,9 @@ class Snapshot:
     vllm: Vllm = about()
     nodes: list[Node] = about("every node of the cluster file, by rank")
     history: History = about()
+    events: list[Event] = about(
+        "the timeline, oldest first: the nodes' events (each agent serves its last 64) merged, and "
+        "the dashboard's own; the newest 100")
 
 
 def snapshot_schema() -> dict:

@@ -25,6 +25,11 @@ const fmt = {
   span(lo, hi) {  // "25.0–50.0 ms", "1.00–2.50 s": one unit, the upper bound's
     return hi < 1 ? `${(lo * 1000).toFixed(1)}–${fmt.secs(hi)}` : `${lo.toFixed(2)}–${fmt.secs(hi)}`;
   },
+  gib(b) { return (b / 1073741824).toFixed(1); },
+  clock(t, seconds) {  // a wall-clock time, 24 h, this browser's time zone: "14:03" or "14:03:27"
+    const d = new Date(t * 1000), two = (n) => String(n).padStart(2, "0");
+    return `${two(d.getHours())}:${two(d.getMinutes())}` + (seconds ? `:${two(d.getSeconds())}` : "");
+  },
   dur(s) {
     if (s < 120) return s.toFixed(0) + " s";
     if (s < 7200) return (s / 60).toFixed(0) + " min";
@@ -34,6 +39,8 @@ const fmt = {
 
 function formatField(path, v) {
   if (path.includes("_tps.")) return fmt.num(v, 1);
+  if (path.endsWith("per_s")) return fmt.num(v, 2);
+  if (path.startsWith("vllm.finished.")) return fmt.int(v);
   if (path.startsWith("vllm.tokens.") || path.startsWith("vllm.requests.")) return fmt.int(v);
   if (path === "vllm.kv_cache_usage" || path.includes("acceptance_rate")) return fmt.pct(v);
   if (path === "vllm.latency.window_s") return fmt.int(v);
@@ -135,14 +142,19 @@ function nodeCard(n) {
                               ["restarts", "restarts"], ["vllm_pid", "vLLM pid"], ["uptime", "uptime"],
                               ["liveness", "alive by"],
                               ["gpu_temp", "GPU temperature"], ["gpu_power", "GPU power"],
-                              ["gpu_util", "GPU utilization"], ["nvme_temp", "NVMe temperature"]]) {
+                              ["gpu_util", "GPU utilization"], ["nvme_temp", "NVMe temperature"],
+                              ["mem_used", "memory used"], ["mem_free", "memory available"]]) {
     const tr = table.insertRow();
     tr.insertCell().textContent = label;
     const td = tr.insertCell();
     td.className = "v";
     td.dataset.field = key;
   }
-  card.append(h, row, detail, lineNote, table);
+  // the node's memory in use (on a GB10 the unified memory the GPU shares), as a bar under the figures
+  const bar = document.createElement("div");
+  bar.className = "bar mem";
+  bar.append(document.createElement("div"));
+  card.append(h, row, detail, lineNote, table, bar);
   return card;
 }
 
@@ -180,8 +192,8 @@ function renderNodes(snap) {
     setText(card.querySelector('[data-field="detail"]'), n.detail || "");
     const gpu = (n.hardware.gpus || [])[0] || {};
     const values = !n.reachable ? Object.fromEntries(  // the last answer's figures are stale
-      ["runtime_line", "restarts", "vllm_pid", "uptime", "liveness", "gpu_temp", "gpu_power", "gpu_util", "nvme_temp"]
-        .map((k) => [k, "—"])) : {
+      ["runtime_line", "restarts", "vllm_pid", "uptime", "liveness", "gpu_temp", "gpu_power", "gpu_util", "nvme_temp",
+       "mem_used", "mem_free"].map((k) => [k, "—"])) : {
       runtime_line: na(n.runtime_line, String),
       restarts: na(n.restarts, fmt.int),
       vllm_pid: na(n.vllm_pid, String),
@@ -193,11 +205,19 @@ function renderNodes(snap) {
       gpu_power: na(gpu.power_w, (x) => x.toFixed(1) + " W"),
       gpu_util: na(gpu.utilization_pct, (x) => x.toFixed(0) + " %"),
       nvme_temp: na(n.hardware.nvme_temperature_c, (x) => x.toFixed(0) + " °C"),
+      mem_used: na(n.memory, (m) => `${fmt.gib(m.used_bytes)} of ${fmt.gib(m.total_bytes)} GiB`),
+      mem_free: na(n.memory, (m) => `${fmt.gib(m.available_bytes)} GiB`),
     };
     for (const [k, text] of Object.entries(values)) {
       setText(card.querySelector(`[data-field="${k}"]`), text, text === "n/a" || text === "—" ? "none" : undefined);
     }
     card.querySelector('[data-field="liveness"]').title = n.role === "head" ? "" : WORKER_LIVENESS;
+    const mem = n.reachable ? n.memory : null;
+    const memTitle = !mem ? "" : (mem.source === "nvml" ? "NVML's memory figures for the GPU"
+      : "the kernel's /proc/meminfo (MemTotal, MemAvailable)") + "; on a GB10 the unified memory CPU and GPU share";
+    for (const k of ["mem_used", "mem_free"]) card.querySelector(`[data-field="${k}"]`).title = memTitle;
+    card.querySelector(".bar.mem > div").style.width =
+      mem ? Math.min(100, (100 * mem.used_bytes) / mem.total_bytes).toFixed(1) + "%" : "0";
     const other = n.other_line === true;
     card.classList.toggle("otherline", other);
     const lineCell = card.querySelector('[data-field="runtime_line"]');
@@ -223,26 +243,66 @@ function segments(ts, ys, x, y) {
   return out;
 }
 
+// The time axis every chart shares: ticks at whole wall-clock minutes (half minutes for spans of
+// two minutes or less), each labelled with its time, and "now" at the right.
+function timeTicks(now, spanS) {
+  const step = spanS <= 120 ? 30 : spanS <= 900 ? 60 : spanS <= 3600 ? 300 : 900;
+  const out = [];
+  for (let t = Math.floor(now / step) * step; t > now - spanS && out.length < 64; t -= step) {
+    const x = 1 - (now - t) / spanS;
+    out.push({t, x, label: fmt.clock(t, step < 60), edge: x < 0.06 || x > 0.9});
+  }
+  return out.reverse();
+}
+
+function drawXAxis(id, ticks) {
+  const axis = document.getElementById(id);
+  while (axis.firstChild) axis.firstChild.remove();
+  for (const tk of ticks) {
+    if (tk.edge) continue;  // too close to an edge for its label (or to "now")
+    const s = document.createElement("span");
+    s.textContent = tk.label;
+    s.style.left = (tk.x * 100).toFixed(2) + "%";
+    axis.append(s);
+  }
+  const now = document.createElement("span");
+  now.className = "now";
+  now.textContent = "now";
+  axis.append(now);
+}
+
+function svgEl(name, attrs) {
+  const e = document.createElementNS(NS, name);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  return e;
+}
+
+function drawGrid(svg, W, H, ticks) {
+  while (svg.firstChild) svg.firstChild.remove();
+  for (let i = 1; i < 4; i++) svg.append(svgEl("line", {x1: 0, x2: W, y1: (H * i) / 4, y2: (H * i) / 4, class: "grid"}));
+  for (const tk of ticks) svg.append(svgEl("line", {x1: tk.x * W, x2: tk.x * W, y1: 0, y2: H, class: "tick"}));
+}
+
+function axisOf(snap) {
+  const h = snap.history;
+  const spanS = h.capacity * snap.interval_s;
+  const now = h.t.length ? h.t[h.t.length - 1] : snap.generated_at;
+  return {spanS, now, ticks: timeTicks(now, spanS)};
+}
+
 function renderChart(snap) {
   const svg = document.getElementById("chart");
   const h = snap.history;
   const W = 600, H = 170, P = 4;
-  while (svg.firstChild) svg.firstChild.remove();
-  const spanS = h.capacity * snap.interval_s;
-  const now = h.t.length ? h.t[h.t.length - 1] : snap.generated_at;
+  const {spanS, now, ticks} = axisOf(snap);
+  drawGrid(svg, W, H, ticks);
+  drawXAxis("x-chart", ticks);
   // decode and prefill each on their own scale (left and right): a prefill burst of thousands
   // of tok/s must not flatten the decode line.
   const top = (key) => niceMax(Math.max(0, ...h[key].filter((v) => v !== null)));
   const tops = {decode_tps: top("decode_tps"), prefill_tps: top("prefill_tps")};
   const x = (t) => W - ((now - t) / spanS) * W;
   const yOf = (max) => (v) => H - P - (v / max) * (H - 2 * P);
-  for (let i = 1; i < 4; i++) {
-    const l = document.createElementNS(NS, "line");
-    l.setAttribute("x1", 0); l.setAttribute("x2", W);
-    l.setAttribute("y1", (H * i) / 4); l.setAttribute("y2", (H * i) / 4);
-    l.setAttribute("class", "grid");
-    svg.append(l);
-  }
   for (const [key, cls] of [["prefill_tps", "prefill"], ["decode_tps", "decode"]]) {
     for (const seg of segments(h.t, h[key], x, yOf(tops[key]))) {
       const pl = document.createElementNS(NS, "polyline");
@@ -251,7 +311,6 @@ function renderChart(snap) {
       svg.append(pl);
     }
   }
-  document.getElementById("chart-span").textContent = "−" + fmt.dur(spanS);
   for (const [key, id] of [["decode_tps", "y-decode"], ["prefill_tps", "y-prefill"]]) {
     const labels = document.getElementById(id).children;
     const label = (v) => (v >= 10 ? fmt.int(v) : fmt.num(v, Number.isInteger(v) ? 0 : 1));
@@ -260,7 +319,170 @@ function renderChart(snap) {
   }
   const peak = (key) => Math.max(0, ...h[key].filter((v) => v !== null));
   document.getElementById("chart-max").textContent =
-    `peak decode ${fmt.num(peak("decode_tps"), 1)} · prefill ${fmt.num(peak("prefill_tps"), 1)} tok/s`;
+    `last ${fmt.dur(spanS)}: peak decode ${fmt.num(peak("decode_tps"), 1)} · prefill ${fmt.num(peak("prefill_tps"), 1)} tok/s`;
+}
+
+// One small history chart (130 units high): lines, bars and bands on one left scale.
+const SMALL_H = 130, SMALL_P = 4;
+
+function smallChart(snap, id, axisId) {
+  const svg = document.getElementById(id);
+  const {spanS, now, ticks} = axisOf(snap);
+  drawGrid(svg, 600, SMALL_H, ticks);
+  drawXAxis(axisId, ticks);
+  return {svg, x: (t) => 600 - ((now - t) / spanS) * 600,
+          y: (max) => (v) => SMALL_H - SMALL_P - (Math.min(v, max) / max) * (SMALL_H - 2 * SMALL_P)};
+}
+
+function drawLines(c, ts, series, max) {
+  for (const [values, cls] of series) {
+    for (const seg of segments(ts, values, c.x, c.y(max))) {
+      c.svg.append(svgEl("polyline", {points: seg.length === 1 ? `${seg[0]} ${seg[0]}` : seg.join(" "),
+                                      class: "line " + cls}));
+    }
+  }
+}
+
+function setYAxis(id, labels) {
+  const el = document.getElementById(id).children;
+  labels.forEach((t, i) => { if (el[i].textContent !== t) el[i].textContent = t; });
+}
+
+const finite = (xs) => xs.filter((v) => v !== null && v !== undefined);
+const plain = (v) => (v >= 10 ? fmt.int(v) : fmt.num(v, Number.isInteger(v) ? 0 : 1));
+let latencyShown = "ttft_s";
+
+// The p50 and p95 of one latency over the trailing window, each as the band its range spans: a
+// high of null (the buckets bound it only from below) leaves the band open to the top.
+function renderLatencyChart(snap) {
+  const h = snap.history, lat = h.latency[latencyShown];
+  const c = smallChart(snap, "chart-latency", "x-latency");
+  const max = Math.max(0, ...finite(lat.p95_high), ...finite(lat.p95_low), ...finite(lat.p50_high));
+  const top = max > 0 ? niceSeconds(max) : 0.1;
+  const y = c.y(top);
+  for (const q of ["p95", "p50"]) {
+    const low = lat[q + "_low"], high = lat[q + "_high"];
+    let run = [];
+    const flush = () => {
+      if (!run.length) return;
+      const pts = run.map((i) => `${c.x(h.t[i]).toFixed(1)},${y(low[i]).toFixed(1)}`);
+      const back = run.slice().reverse().map((i) => `${c.x(h.t[i]).toFixed(1)},${y(high[i] === null ? top : high[i]).toFixed(1)}`);
+      if (run.length === 1) {  // one point: a sliver, so that it shows
+        const [x0] = pts[0].split(",");
+        pts.push(`${(Number(x0) + 2).toFixed(1)},${y(low[run[0]]).toFixed(1)}`);
+        back.unshift(`${(Number(x0) + 2).toFixed(1)},${y(high[run[0]] === null ? top : high[run[0]]).toFixed(1)}`);
+      }
+      c.svg.append(svgEl("polygon", {points: pts.concat(back).join(" "), class: "band " + q}));
+      run = [];
+    };
+    low.forEach((v, i) => { if (v === null) flush(); else run.push(i); });
+    flush();
+  }
+  setYAxis("y-latency", [fmt.secs(top), fmt.secs(top / 2), "0"]);
+}
+
+function niceSeconds(v) {
+  // 1, 2 or 5 times a power of ten seconds, at least v
+  const p = Math.pow(10, Math.floor(Math.log10(v)));
+  for (const m of [1, 2, 5, 10]) if (m * p >= v) return m * p;
+  return 10 * p;
+}
+
+function renderQueueChart(snap) {
+  const h = snap.history;
+  const c = smallChart(snap, "chart-queue", "x-queue");
+  const top = niceMax(Math.max(0, ...finite(h.running), ...finite(h.waiting)));
+  drawLines(c, h.t, [[h.waiting, "waiting"], [h.running, "running"]], top);
+  setYAxis("y-queue", [plain(top), plain(top / 2), "0"]);
+}
+
+function renderKvChart(snap) {
+  const h = snap.history;
+  const c = smallChart(snap, "chart-kv", "x-kv");
+  drawLines(c, h.t, [[h.kv_cache_usage, "kv"]], 1);
+}
+
+// Finished requests per second as a line; errors and aborts in each poll as bars on the same
+// scale (per second of that poll), so that one failed request stands out beside the rate.
+function renderRateChart(snap) {
+  const h = snap.history, dt = snap.interval_s;
+  const c = smallChart(snap, "chart-rate", "x-rate");
+  const perS = (xs) => xs.map((v) => (v === null ? null : v / dt));
+  const errors = perS(h.errors), aborts = perS(h.aborts);
+  const top = niceMax(Math.max(0, ...finite(h.requests_per_s), ...finite(errors), ...finite(aborts)));
+  const y = c.y(top), w = Math.max(2, (600 * dt) / (h.capacity * dt));
+  for (const [xs, cls] of [[aborts, "bar-aborts"], [errors, "bar-errors"]]) {
+    xs.forEach((v, i) => {
+      if (!v) return;
+      c.svg.append(svgEl("rect", {x: (c.x(h.t[i]) - w).toFixed(1), width: w.toFixed(1), y: y(v).toFixed(1),
+                                  height: (SMALL_H - SMALL_P - y(v)).toFixed(1), class: cls}));
+    });
+  }
+  drawLines(c, h.t, [[h.requests_per_s, "rate"]], top);
+  setYAxis("y-rate", [plain(top), plain(top / 2), "0"]);
+}
+
+// The timeline: one row per node on the charts' time axis (a mark per event), and the list of
+// events, newest first, with what each node's supervisor said.
+const EVENT_ROW = 16;
+
+function eventClass(e) {
+  return "kind-" + e.kind + (e.kind === "liveness" && e.detail.startsWith("not alive") ? " notalive" : "");
+}
+
+function renderEvents(snap) {
+  const svg = document.getElementById("chart-events");
+  const names = snap.nodes.map((n) => n.name);
+  const H = Math.max(1, names.length) * EVENT_ROW + 8;
+  svg.setAttribute("viewBox", `0 0 600 ${H}`);
+  svg.style.height = H + "px";
+  const {spanS, now, ticks} = axisOf(snap);
+  drawGrid(svg, 600, H, ticks);
+  drawXAxis("x-events", ticks);
+  const yaxis = document.getElementById("y-events");
+  yaxis.style.height = H + "px";
+  if (yaxis.childElementCount !== names.length || names.some((n, i) => yaxis.children[i].textContent !== n)) {
+    while (yaxis.firstChild) yaxis.firstChild.remove();
+    for (const n of names) { const s = document.createElement("span"); s.textContent = n; yaxis.append(s); }
+  }
+  for (const e of snap.events || []) {
+    const row = names.indexOf(e.node);
+    if (row < 0 || e.at < now - spanS || e.at > now + 5) continue;
+    const x = (600 - ((now - Math.min(e.at, now)) / spanS) * 600).toFixed(1), y0 = 4 + row * EVENT_ROW;
+    const mark = svgEl("line", {x1: x, x2: x, y1: y0 + 2, y2: y0 + EVENT_ROW - 2, class: "mark " + eventClass(e)});
+    const title = document.createElementNS(NS, "title");
+    title.textContent = `${fmt.clock(e.at, true)} ${e.node} ${e.kind}: ${e.detail}`;
+    mark.append(title);
+    svg.append(mark);
+  }
+  const list = document.getElementById("events");
+  const shown = (snap.events || []).slice(-40).reverse();
+  const key = shown.map((e) => `${e.at}|${e.node}|${e.kind}|${e.detail}`).join("\n");
+  if (list.dataset.key === key) return;
+  list.dataset.key = key;
+  while (list.firstChild) list.firstChild.remove();
+  if (!shown.length) {
+    const li = document.createElement("li");
+    li.className = "empty";
+    li.textContent = "no events yet";
+    list.append(li);
+  }
+  for (const e of shown) {
+    const li = document.createElement("li");
+    li.className = "event " + eventClass(e);
+    li.dataset.kind = e.kind;
+    li.dataset.node = e.node;
+    const old = snap.generated_at - e.at > 86400;
+    const cells = [["evtime", (old ? new Date(e.at * 1000).toLocaleDateString("en-CA") + " " : "") + fmt.clock(e.at, true)],
+                   ["evnode", e.node], ["evkind", e.kind], ["evdetail", e.detail + (e.by === "dashboard" ? " (seen by the dashboard)" : "")]];
+    for (const [cls, text] of cells) {
+      const s = document.createElement("span");
+      s.className = cls;
+      s.textContent = text;
+      li.append(s);
+    }
+    list.append(li);
+  }
 }
 
 function niceMax(v) {
@@ -287,9 +509,17 @@ function render(snap) {
   renderLine(snap);
   renderNodes(snap);
   renderChart(snap);
+  renderLatencyChart(snap);
+  renderQueueChart(snap);
+  renderKvChart(snap);
+  renderRateChart(snap);
+  renderEvents(snap);
+  lastSnap = snap;
   document.getElementById("updated").textContent = new Date(snap.generated_at * 1000).toLocaleTimeString();
   document.body.dataset.round = snap.round;
 }
+
+let lastSnap = null;
 
 function askToken() {
   const form = document.getElementById("token-form");
@@ -303,6 +533,14 @@ document.addEventListener("DOMContentLoaded", () => {
     sessionStorage.setItem(TOKEN_KEY, document.getElementById("token-input").value.trim());
     document.getElementById("token-form").hidden = true;
   });
+  // the latency chart's tabs: which latency the bands show
+  for (const b of document.querySelectorAll("#lat-tabs button")) {
+    b.addEventListener("click", () => {
+      latencyShown = b.dataset.lat;
+      for (const o of document.querySelectorAll("#lat-tabs button")) o.classList.toggle("on", o === b);
+      if (lastSnap) renderLatencyChart(lastSnap);
+    });
+  }
   poll();
 });
 
