@@ -187,6 +187,9 @@ let
     };
 in
 {
+  # services.dspark.prometheus and services.dspark.grafana: the scrape configuration and the dashboard.
+  imports = [ ./monitoring.nix ];
+
   options.services.dspark = {
     enable = mkEnableOption "dspark, one node of a DeepSeek V4 Flash cluster served by vLLM";
 

@@ -1,7 +1,8 @@
 """The node agent: a small read-only HTTP endpoint each `dspark serve` runs on its own port.
 
 GET /state    JSON: the node's state, rank, vLLM pid and version, restarts, uptime, last liveness
-GET /metrics  the same as Prometheus text
+GET /metrics  the same as Prometheus text: a prometheus_client Collector (SnapshotCollector),
+              registered once in the agent's own registry, reads the snapshot at each scrape
 GET /healthz  200 while the supervisor runs
 Anything else is 404; any method but GET/HEAD is 405. The agent never changes anything.
 """
@@ -11,7 +12,11 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler
-from typing import Callable
+from typing import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from . import __version__
 from .http_server import BoundedHTTPServer, discard_body
@@ -22,23 +27,60 @@ from .states import (  # noqa: E402,F401
 )
 
 
-def metrics_text(s: dict) -> str:
-    """Prometheus exposition of a state snapshot (names prefixed dspark_node_)."""
-    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+# What generate_latest writes: the text format 0.0.4 (prometheus_client's CONTENT_TYPE_LATEST names a
+# newer one in its recent releases).
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-    reg = CollectorRegistry()
-    labels = {"node": s["node"], "rank": str(s["rank"]), "role": s["role"]}
-    info = Gauge("dspark_node_info", "Node identity and versions", [*labels, "vllm_version", "dspark_version"],
-                 registry=reg)
-    info.labels(**labels, vllm_version=s["vllm_version"] or "", dspark_version=s["dspark_version"]).set(1)
-    state = Gauge("dspark_node_state", "1 for the node's current state", [*labels, "state"], registry=reg)
+# The node's own figures, one gauge each: (name, help, the snapshot's value). Labels node, rank, role.
+_SIMPLE = (
+    ("dspark_node_restarts", "Times this node's service was restarted", lambda s: s["restarts"]),
+    ("dspark_node_uptime_seconds", "Seconds since this supervisor started", lambda s: s["uptime_s"]),
+    ("dspark_node_vllm_pid", "PID of the vLLM process (0 when none)", lambda s: s["vllm_pid"] or 0),
+)
+# The node's memory (the snapshot's `memory`, where its supervisor reports one): on GB10 the unified
+# memory NVML and /proc/meminfo report, elsewhere the host's. Labels node, rank, role and source.
+MEMORY_GAUGES = (
+    ("dspark_node_memory_total_bytes", "total_bytes", "Memory of the node (bytes)"),
+    ("dspark_node_memory_used_bytes", "used_bytes", "Memory in use on the node (bytes)"),
+    ("dspark_node_memory_available_bytes", "available_bytes", "Memory available to new allocations on the node (bytes)"),
+)
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class SnapshotCollector(Collector):
+    """prometheus_client's way to proxy another system's state: registered once for the agent's
+    life, it reads the supervisor's snapshot at each scrape and yields its gauges (names prefixed
+    dspark_node_, labels node, rank and role). Nothing is kept between scrapes."""
+
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.snapshot = snapshot
+
+    def describe(self) -> Iterable[Metric]:
+        return ()  # the metrics exist only at a scrape: registering must not read the snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        yield from snapshot_metrics(self.snapshot())
+
+
+def snapshot_metrics(s: dict) -> Iterator[Metric]:
+    """The metric families of one state snapshot."""
+    keys = ["node", "rank", "role"]
+    ident = [s["node"], str(s["rank"]), s["role"]]
+
+    def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=[*keys, *extra])
+
+    info = gauge("dspark_node_info", "Node identity and versions", ("vllm_version", "dspark_version"))
+    info.add_metric([*ident, s["vllm_version"] or "", s["dspark_version"]], 1)
+    yield info
+    state = gauge("dspark_node_state", "1 for the node's current state", ("state",))
     for name in STATES:
-        state.labels(**labels, state=name).set(1 if s["state"] == name else 0)
-    simple = [
-        ("dspark_node_restarts", "Times this node's service was restarted", s["restarts"]),
-        ("dspark_node_uptime_seconds", "Seconds since this supervisor started", s["uptime_s"]),
-        ("dspark_node_vllm_pid", "PID of the vLLM process (0 when none)", s["vllm_pid"] or 0),
-    ]
+        state.add_metric([*ident, name], 1 if s["state"] == name else 0)
+    yield state
+    simple = [(name, doc, value(s)) for name, doc, value in _SIMPLE]
     live = s.get("liveness")
     if live:
         simple += [
@@ -48,15 +90,32 @@ def metrics_text(s: dict) -> str:
         if live.get("proof_at") is not None:
             simple.append(("dspark_node_liveness_proof_timestamp_seconds",
                            "Unix time of the last proof of life (progress or probe)", live["proof_at"]))
-            proof = Gauge("dspark_node_liveness_proof", "1 for the kind of the last proof of life",
-                          [*labels, "proof"], registry=reg)
+            proof = gauge("dspark_node_liveness_proof", "1 for the kind of the last proof of life", ("proof",))
             for kind in ("progress", "probe"):
-                proof.labels(**labels, proof=kind).set(1 if live.get("proof") == kind else 0)
+                proof.add_metric([*ident, kind], 1 if live.get("proof") == kind else 0)
+            yield proof
         if live.get("latency_s") is not None:
             simple.append(("dspark_node_liveness_latency_seconds", "Latency of the last liveness completion",
                            live["latency_s"]))
     for name, doc, value in simple:
-        Gauge(name, doc, list(labels), registry=reg).labels(**labels).set(value)
+        g = gauge(name, doc)
+        g.add_metric(ident, value)
+        yield g
+    memory = s.get("memory")
+    if isinstance(memory, dict):
+        source = str(memory.get("source") or "")
+        for name, key, doc in MEMORY_GAUGES:
+            value = _number(memory.get(key))
+            if value is not None:  # a figure the node could not read is left out, not reported as 0
+                g = gauge(name, doc, ("source",))
+                g.add_metric([*ident, source], value)
+                yield g
+
+
+def metrics_text(s: dict) -> str:
+    """Prometheus exposition of one state snapshot (what GET /metrics serves for it)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SnapshotCollector(lambda: s))
     return generate_latest(reg).decode()
 
 
@@ -65,6 +124,10 @@ class Agent:
 
     def __init__(self, host: str, port: int, snapshot: Callable[[], dict]):
         self.snapshot = snapshot
+        # One registry for the agent's life (not prometheus_client's global one: several agents
+        # may run in one process, in the tests); the collector reads the snapshot at each scrape.
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SnapshotCollector(lambda: self.snapshot()))
         agent = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -81,7 +144,7 @@ class Agent:
                 if path == "/state":
                     data, ctype = json.dumps(agent.snapshot()).encode(), "application/json"
                 elif path == "/metrics":
-                    data, ctype = metrics_text(agent.snapshot()).encode(), "text/plain; version=0.0.4"
+                    data, ctype = generate_latest(agent.registry), METRICS_CONTENT_TYPE
                 elif path == "/healthz":
                     data, ctype = b"ok\n", "text/plain"
                 else:

@@ -99,6 +99,52 @@ in
       type = types.attrsOf (types.attrsOf types.anything);
       default = { };
     };
+    # services.dspark.prometheus / .grafana (modules/monitoring.nix): the option names they set, as
+    # nixpkgs' prometheus and grafana modules declare them (no freeform: a misspelt key fails).
+    services.prometheus.scrapeConfigs = listOf (
+      types.submodule {
+        options = {
+          job_name = mkOption { type = types.str; };
+          metrics_path = mkOption {
+            type = types.nullOr types.str;
+            default = null;
+          };
+          scrape_interval = mkOption {
+            type = types.nullOr types.str;
+            default = null;
+          };
+          honor_labels = mkOption {
+            type = types.nullOr types.bool;
+            default = null;
+          };
+          authorization = mkOption {
+            type = types.nullOr types.attrs;
+            default = null;
+          };
+          static_configs = listOf (
+            types.submodule {
+              options.targets = mkOption { type = types.listOf types.str; };
+              options.labels = mkOption {
+                type = types.attrsOf types.str;
+                default = { };
+              };
+            }
+          );
+        };
+      }
+    );
+    services.grafana.provision.enable = mkOption {
+      type = types.bool;
+      default = false;
+    };
+    services.grafana.provision.dashboards.settings.providers = listOf (
+      types.submodule {
+        freeformType = types.attrsOf types.anything;
+        options.name = mkOption { type = types.str; };
+        options.type = mkOption { type = types.str; };
+        options.options.path = mkOption { type = types.path; };
+      }
+    );
     networking.hostName = mkOption {
       type = types.str;
       default = "nixos";
