@@ -411,7 +411,12 @@ def status_cmd(config_path: Path | None, as_json: bool) -> None:
     """Both nodes and the API in one table; exit 1 when the pair is not serving."""
     from .status import collect, render_table, to_json
     from .credentials import read_api_key
+    from .local import LocalError, found_cluster_file  # /etc's, else the local appliance's
 
+    try:
+        config_path = found_cluster_file(config_path, say=lambda line: click.echo(line, err=True))
+    except LocalError as e:
+        fail(str(e))
     cluster = load_cluster(config_path)
     snap = collect(cluster, token=read_api_key())
     click.echo(to_json(snap) if as_json else render_table(snap))
@@ -424,7 +429,10 @@ class LocalGroup(LazyGroup):
     lazy = {"up": ("dspark.local_cli", "local_up_cmd", "Start the workers (127.0.0.2 ..) then the head "
                    "(127.0.0.1); Ctrl-C stops them all."),
             "switch": ("dspark.switch_cli", "local_switch", "Switch the running local appliance to another "
-                       "runtime line (dspark switch).")}
+                       "runtime line (dspark switch)."),
+            "down": ("dspark.local_cli", "local_down_cmd", "Stop the local appliance running from --dir."),
+            "status": ("dspark.local_cli", "local_status_cmd", "Whether the local appliance runs from --dir, and "
+                       "its nodes' status.")}
 
 
 @main.group("local", cls=LocalGroup)

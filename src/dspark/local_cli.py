@@ -1,4 +1,6 @@
-"""`dspark local up`: the appliance on this machine (dspark.local), its defaults read from there."""
+"""`dspark local up`, `local down` and `local status`: the appliance on this machine (dspark.local),
+its defaults read from there. `dspark status` with no cluster file named reads the local
+appliance's (`found_cluster_file`) when /etc has none."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from pathlib import Path
 import click
 
 from .cli_common import fail
-from .local import DEFAULT_DIR, DEFAULT_NODES, LocalError, LocalPorts, check_nodes, check_vision, up, vllm_command
+from .local import (DEFAULT_DIR, DEFAULT_NODES, LocalError, LocalPorts, check_nodes, check_vision, cli_command,
+                    down, holder, left_behind, lock_path, up, vllm_command)
 
 _PORTS = LocalPorts()
 
@@ -59,3 +62,58 @@ def local_up_cmd(workdir: Path, api_port: int, agent_port: int, master_port: int
     except LocalError as e:
         fail(f"local up: {e}", 1)
     sys.exit(code)
+
+
+_DIR_HELP = "The local appliance's directory (what `local up --dir` was given)."
+
+
+@click.command("down")
+@click.option("--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DIR,
+              show_default=True, help=_DIR_HELP)
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="How long to wait for it to stop (default: its stop's bound, from its cluster file: "
+                   "drain_s + stop_grace_s + 70 s).")
+def local_down_cmd(workdir: Path, timeout_s: float | None) -> None:
+    """Stop the local appliance running from --dir (SIGTERM to its `local up`, as Ctrl-C would)."""
+    try:
+        down(workdir, timeout_s, progress=click.echo)
+    except LocalError as e:
+        fail(f"local down: {e}", 1)
+
+
+@click.command("status")
+@click.option("--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DIR,
+              show_default=True, help=_DIR_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def local_status_cmd(workdir: Path, as_json: bool) -> None:
+    """Whether the local appliance runs from --dir (its PID), and `dspark status` of its nodes."""
+    from .cli_common import load_cluster
+    from .credentials import read_api_key
+    from .status import collect, render_table, to_json
+
+    cluster_file = workdir / "cluster.toml"
+    h = holder(workdir)
+    if not cluster_file.exists():
+        fail(f"local status: no local appliance in {workdir}: no cluster.toml there; start one: "
+             f"{cli_command()} local up{_dir_arg(workdir)}", 1)
+    snap = collect(load_cluster(cluster_file), token=read_api_key())
+    behind = [] if h.running else left_behind(workdir)
+    snap["local"] = {"dir": str(workdir.resolve()), "running": h.running, "pid": h.pid, "left_behind": behind}
+    if as_json:
+        click.echo(to_json(snap))
+    else:
+        if h.running:
+            click.echo(f"local appliance in {workdir}: running (PID {h.pid}); stop it: "
+                       f"{cli_command()} local down{_dir_arg(workdir)}")
+        elif behind:
+            click.echo(f"local appliance in {workdir}: its `local up` is gone, but its supervisors "
+                       f"{', '.join(map(str, behind))} still run; stop them: {cli_command()} local down{_dir_arg(workdir)}")
+        else:
+            click.echo(f"local appliance in {workdir}: not running (nothing holds {lock_path(workdir)})")
+        click.echo(render_table(snap))
+    if not snap["serving"]:
+        raise click.exceptions.Exit(1)
+
+
+def _dir_arg(workdir: Path) -> str:
+    return "" if workdir == DEFAULT_DIR else f" --dir {workdir}"

@@ -175,7 +175,7 @@ def test_compare_labels_cannot_inject_markdown(tmp_path):
     r = invoke_dspark("bench", "compare", str(pa), str(pb))
     assert r.returncode == 0, r.stderr
     header = next(line for line in r.stdout.splitlines() if line.startswith("| length") or line.startswith("| input"))
-    assert header.count(" | ") == 4 + 0 and "\\|" in header  # still five cells: the label's '|' is escaped
+    assert header.count(" | ") == 6 and "\\|" in header  # still seven cells: the label's '|' is escaped
     assert not any(line.startswith("# heading") for line in r.stdout.splitlines())
     assert "\\<img" in r.stdout and "\\[link\\]" in r.stdout
     assert "<img" not in r.stdout.replace("\\<img", "") and "[link]" not in r.stdout

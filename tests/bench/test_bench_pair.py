@@ -130,7 +130,9 @@ def test_prefill_reports_reproduce_and_compare(local_pair, tmp_path):
     c = run_dspark("bench", "compare", str(tmp_path / "prefill-a.json"), str(tmp_path / "prefill-b.json"))
     assert c.returncode == 0, c.stderr
     rows = [r for r in c.stdout.splitlines() if r.startswith("| 64 ") or r.startswith("| 128 ")]
-    assert len(rows) == 6 and all(r.count("%") == 1 for r in rows)
+    cells = [[c.strip() for c in r.split("|")[1:-1]] for r in rows]  # length, figure, a, b, gain, noise, verdict
+    assert len(rows) == 6 and all(c[4].endswith("%") for c in cells), rows
+    assert all(c[6] in ("within noise", "better", "worse", "noise unknown") for c in cells), rows
     assert "**b hit the prefix cache** at 512" in c.stdout
 
     # ... and it refuses a report of other prompts.
