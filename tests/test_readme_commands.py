@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from docs_text import docs_text
+from docs_text import documents
 from pairlib import ROOT
 
 pytestmark = pytest.mark.pair
 
-README = ROOT / "README.md"  # and docs/*.md: every document's commands (docs_text)
+README = ROOT / "README.md"  # and docs/*.md: every document's commands (docs_text's documents)
+# Documents whose commands another test runs against the pair, and which.
+OTHER_TESTS = {"clients.md": "tests/test_other_clients.py runs the clients' commands"}
 # Commands that cannot run in this test, by their first word(s), and why.
 NOT_HERE = {
     ".ci/setup": "sets up the venv the tests already run in",
@@ -31,7 +33,15 @@ NOT_HERE = {
     "python3": "the runtime lock and replay: minutes and 4 GB of wheels (tests/nix covers them where cached)",
     "/tmp/lockenv/bin/python": "the runtime lock (needs the network)",
     ".venv/bin/vllm": "vllm bench serve: tests/test_local_model.py runs it against the pair with the local model's tokenizer",
+    "hf": "downloads the 155 GiB checkpoint (docs/nixos.md)",
+    "openssl": "makes an API key and encrypts it with agenix, which is not installed here "
+               "(tests/nix/test_nixos_doc_snippets.py evaluates the files it goes with)",
 }
+
+
+def docs_text() -> str:
+    """Every document whose commands this test runs: all but OTHER_TESTS'."""
+    return "\n".join(p.read_text() for p in documents() if p.name not in OTHER_TESTS)
 
 
 def commands() -> list[str]:

@@ -35,3 +35,20 @@ def test_render_never_reads_the_api_key(tmp_path):
         assert r.returncode == 0, r.stderr
         assert "key-from" not in r.stdout and "<redacted>" not in r.stdout, r.stdout
     assert "prints it as `<redacted>`" not in README
+
+
+def test_the_setup_options_the_documents_give_are_setups():
+    """Every `.ci/setup --OPTION` the documents give is one .ci/setup takes (its usage line, printed
+    for an unknown option before anything is installed)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([str(root / ".ci" / "setup"), "--no-such-option"], capture_output=True, text=True,
+                       timeout=60, cwd=root)
+    assert r.returncode == 2 and r.stderr.startswith("usage: .ci/setup "), r.stderr
+    taken = set(re.findall(r"\[(--[\w-]+)\]", r.stderr))
+    given = set(re.findall(r"\.ci/setup((?: --[\w-]+)+)", README))
+    options = {o for g in given for o in g.split()}
+    assert {"--default-line-only", "--no-clients"} <= options <= taken, (options, taken)
