@@ -21,7 +21,8 @@ Behaviour is chosen with STANDIN_* environment variables:
                        rank has been silent this many seconds (its vLLM SIGSTOPped: a wedged worker).
                        A rank whose connection closes just leaves it (its death is the supervisors'
                        to find). Meant for the cluster file's serving.env, which every rank gets.
-The API serves /metrics with vLLM's own metric names for the requests it ran.
+The API serves /metrics with vLLM's own metric names for the requests it ran, /v1/models, and
+completions plain or streamed (one chunk per token, then the usage chunk: what dspark bench reads).
 """
 
 import json
@@ -216,6 +217,9 @@ if "--headless" not in argv:
         def do_GET(self):
             if self.path == "/health":
                 self._send(200, {})
+            elif self.path == "/v1/models":
+                self._send(200, {"object": "list", "data": [{"id": arg("--served-model-name", "m"),
+                                                             "max_model_len": int(arg("--max-model-len", "4096"))}]})
             elif self.path == "/version":
                 self._send(200, {"version": "0.28.0-standin"})
             elif self.path == "/metrics":
@@ -234,8 +238,20 @@ if "--headless" not in argv:
                 self._send(500, {"error": "engine dead"})
                 return
             prompt = body.get("prompt", [0])
-            engine.run(len(prompt) if isinstance(prompt, list) else 1, int(body.get("max_tokens", 1)))
-            self._send(200, {"choices": [{"text": "x", "finish_reason": "length"}]})
+            n_prompt, n_out = len(prompt) if isinstance(prompt, list) else 1, int(body.get("max_tokens", 1))
+            engine.run(n_prompt, n_out)
+            if not body.get("stream"):
+                self._send(200, {"choices": [{"text": "x", "finish_reason": "length"}]})
+                return
+            # Streamed as vLLM streams (one chunk per token, then usage, then [DONE]), after the
+            # engine ran it; the connection's close ends the body (HTTP/1.0).
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            chunks = [{"choices": [{"index": 0, "text": "x", "finish_reason": None if i < n_out - 1 else "length"}]}
+                      for i in range(n_out)]
+            chunks.append({"choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out}})
+            self.wfile.write(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n")
 
         def log_message(self, *a):
             pass

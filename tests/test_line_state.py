@@ -11,7 +11,8 @@ import pytest
 from dspark import config as C
 from dspark import line_state as L
 from dspark.bench.report import DecodeLevel, Report
-from dspark.switch import history_table, judge, score
+from dspark.switch import judge, score
+from dspark.switch_history import table as history_table
 
 A, B = "v0.28.0", "v0.32.0"
 

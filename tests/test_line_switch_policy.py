@@ -8,7 +8,7 @@ import signal
 
 from dspark import states as S
 from dspark.agent_client import AgentAnswer
-from dspark.node_policy import EXIT_NEVER_READY, EXIT_OK, EXIT_SWITCH, Events
+from dspark.node_policy import EXIT_DIED, EXIT_NEVER_READY, EXIT_OK, EXIT_SWITCH, Events
 
 from test_node_policy import exit_of, good_probe, head_peer, kinds, policy, state_of, worker_peer
 
@@ -159,3 +159,55 @@ def test_under_systemds_watchdog_a_switch_keeps_feeding_it_while_it_drains_and_t
     first = head(line=A, watchdog_s=5.0)  # a first start is the start timeout's business, not the watchdog's
     first.start(0.0)
     assert not any("watchdog" in kinds(first.step(t, Events(peers={"w": answer(S.STARTING, A)}))) for t in range(1, 30))
+
+
+def serving_worker():
+    """A worker paired with head incarnation 1.0, serving line A."""
+    w = worker()
+    w.start(0.0)
+    w.step(0.1, Events(stage="rendezvous"))
+    w.step(1.2, Events(stage="loading", peers={"h": answer(S.RENDEZVOUS, A)}))
+    w.step(2.4, Events(stage="warming", peers={"h": answer(S.SERVING, A)}))
+    assert w.state == S.SERVING and w.paired
+    return w
+
+
+def test_a_worker_whose_head_restarts_on_its_line_during_a_switch_re_forms_the_pair_there():
+    """Issue 33, item 9: a Ctrl-C during the head's drain brings the head back on the old line (a
+    new incarnation). The worker, which never moved, re-forms the pair with it (worker first into
+    the rendezvous) instead of failing and holding for a line change that never comes."""
+    back = dict(SW, id="s1-rollback", **{"from": B, "to": A, "rollback": True})
+    w = serving_worker()
+    out = w.step(5.0, Events(peers={"h": answer(S.RENDEZVOUS, A, switch=back, started_at=5.0)}))
+    e = exit_of(out)
+    assert e is not None and e.code == EXIT_SWITCH and w.switch_to == A, out
+    assert "re-forms" in state_of(out)[1] and state_of(out)[0] == S.STOPPING
+    # The same restart with no switch under way is a broken pair, as before (systemd restarts it).
+    w = serving_worker()
+    e = exit_of(w.step(5.0, Events(peers={"h": answer(S.RENDEZVOUS, A, started_at=5.0)})))
+    assert e is not None and e.code == EXIT_DIED
+
+
+def test_a_held_worker_re_forms_with_a_restarted_head_and_a_hold_ends_with_the_switch():
+    back = dict(SW, id="s1-rollback", **{"from": B, "to": A, "rollback": True})
+    w = serving_worker()
+    w.step(4.0, Events(peers={"h": answer(S.SERVING, A, switch=back)}))  # a switch under way
+    out = w.step(5.0, Events(vllm_exit=1))
+    assert exit_of(out) is None and w.phase == "held"
+    out = w.step(6.0, Events(peers={"h": answer(S.RENDEZVOUS, A, switch=back, started_at=6.0)}))
+    assert exit_of(out).code == EXIT_SWITCH and w.switch_to == A and "re-forms" in state_of(out)[1]
+    # Held, and the head's switch record is gone (a verdict, or resolved): the failure is a failure.
+    w = serving_worker()
+    w.step(4.0, Events(peers={"h": answer(S.SERVING, A, switch=back)}))  # a switch under way
+    w.step(5.0, Events(vllm_exit=1))
+    assert exit_of(w.step(6.0, Events())) is None  # the head not answering: nothing learnt
+    out = w.step(7.0, Events(peers={"h": answer(S.SERVING, A)}))
+    e = exit_of(out)
+    assert e is not None and e.code == EXIT_DIED and "the switch is over" in state_of(out)[1]
+    # A held head whose state loses its record ends too.
+    p = head(line=B, switching=True)
+    p.start(0.0)
+    p.step(0.1, Events(peers={"w": answer(S.RENDEZVOUS, B)}, wanted_line=B, switching=True))
+    p.step(0.5, Events(vllm_exit=1, wanted_line=B, switching=True))
+    e = exit_of(p.step(3.0, Events(wanted_line=B, switching=False)))
+    assert e is not None and e.code == EXIT_NEVER_READY

@@ -30,6 +30,7 @@ import pytest
 
 from dspark import line_state
 from dspark import switch as W
+from dspark import switch_history as H
 from dspark.node_policy import backoff_delay
 from dspark.supervisor import FAILURES_FILE, FailureHistory, _count_start, _read_starts
 from test_line_state import cluster
@@ -39,8 +40,8 @@ OWNER = 54321  # a uid and gid no account has: the state directory's owner, as `
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown to another user, as `sudo dspark switch`)")
 
 
-def record(id: str = "s1", **kw) -> W.Record:
-    return W.Record(id=id, started_at=1.0, from_line=A, to_line=B, verdict="kept", reason="ok", serving_on=B, **kw)
+def record(id: str = "s1", **kw) -> H.Record:
+    return H.Record(id=id, started_at=1.0, from_line=A, to_line=B, verdict="kept", reason="ok", serving_on=B, **kw)
 
 
 # Each state file's writer, as its owner calls it, and the file it writes.
@@ -48,12 +49,12 @@ WRITERS = {
     "runtime-line.json": lambda d: line_state.write(d, line_state.LineState(B, A)),
     FAILURES_FILE: lambda d: FailureHistory(d).save(3, "exit 4: liveness lost"),
     "starts": _count_start,
-    W.HISTORY: lambda d: W._save_history(d, record()),
+    H.HISTORY: lambda d: H.save(d, record()),
 }
 # The temp names the writers used before (a fixed name, or the writer's PID): predictable, so
 # the service user could plant a link there.
 OLD_TEMP_NAMES = {"runtime-line.json": f".runtime-line.json.{os.getpid()}.tmp", FAILURES_FILE: "failures.json.tmp",
-                  "starts": ".starts.tmp", W.HISTORY: f".{W.HISTORY}.tmp"}
+                  "starts": ".starts.tmp", H.HISTORY: f".{H.HISTORY}.tmp"}
 
 
 def asides(d: Path, name: str) -> list[Path]:
@@ -164,18 +165,18 @@ def switcher(state_dir: Path) -> W.Switcher:
 @as_root
 def test_the_switch_lock_follows_no_link_and_truncates_nothing(owned_dir):
     victim = owned_dir.parent / "victim"
-    (owned_dir / W.LOCK).symlink_to(victim)
+    (owned_dir / H.LOCK).symlink_to(victim)
     with pytest.raises(W.SwitchRefused, match="symbolic link"):
         switcher(owned_dir).run()
     assert victim.read_text() == "root's file\n"
-    (owned_dir / W.LOCK).unlink()
+    (owned_dir / H.LOCK).unlink()
     assert switcher(owned_dir).run().id == "s1"
-    st = os.lstat(owned_dir / W.LOCK)
+    st = os.lstat(owned_dir / H.LOCK)
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (OWNER, 0o600)
 
 
 def test_a_fifo_at_the_switch_lock_is_refused_at_once(tmp_path):
-    os.mkfifo(tmp_path / W.LOCK)
+    os.mkfifo(tmp_path / H.LOCK)
     out: list = []
 
     def run():
@@ -188,7 +189,7 @@ def test_a_fifo_at_the_switch_lock_is_refused_at_once(tmp_path):
     t.start()
     t.join(10)
     if t.is_alive():  # blocked opening the FIFO for writing: a reader lets it go
-        fd = os.open(tmp_path / W.LOCK, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(tmp_path / H.LOCK, os.O_RDONLY | os.O_NONBLOCK)
         t.join(10)
         os.close(fd)
         pytest.fail("the switch blocked on a FIFO at its lock")
@@ -202,6 +203,7 @@ SWITCH_REPORTS = """
 import os, sys, time
 from pathlib import Path
 from dspark import switch as W
+from dspark import switch_history as H
 from dspark.bench import decode
 from test_line_state import cluster, report
 
@@ -217,7 +219,7 @@ def fake_decode(target, spec, on_update=None, settings=None):
 decode.run = fake_decode
 
 def one_bench(current):
-    rec = W.Record(id="t1", started_at=time.time(), from_line=current, to_line=s.to)
+    rec = H.Record(id="t1", started_at=time.time(), from_line=current, to_line=s.to)
     s._bench("v0.28.0-before-1", rec)
     rec.verdict = "not started"
     return s._finish(rec)
@@ -250,7 +252,7 @@ def test_the_switch_writes_its_reports_as_the_state_dirs_owner_and_follows_no_li
     (owned_dir / W.REPORTS).unlink()
     out = run_switch_reports(owned_dir)
     assert "done not started" in out, out
-    written = [p for p in (owned_dir / W.REPORTS).rglob("*")] + [owned_dir / W.HISTORY]
+    written = [p for p in (owned_dir / W.REPORTS).rglob("*")] + [owned_dir / H.HISTORY]
     assert {os.lstat(p).st_uid for p in written} == {OWNER}, [(p, os.lstat(p).st_uid) for p in written]
 
 
@@ -267,32 +269,32 @@ CORRUPT_HISTORY = {
 @pytest.mark.parametrize("kind", sorted(CORRUPT_HISTORY))
 def test_a_corrupt_history_is_moved_aside_never_replaced(tmp_path, capfd, kind):
     body = CORRUPT_HISTORY[kind]
-    (tmp_path / W.HISTORY).write_bytes(body)
-    assert W.read_history(tmp_path) == []
-    W._save_history(tmp_path, record("s1"))  # what the next switch's _finish does
-    kept = asides(tmp_path, W.HISTORY)
+    (tmp_path / H.HISTORY).write_bytes(body)
+    assert H.read(tmp_path) == []
+    H.save(tmp_path, record("s1"))  # what the next switch's _finish does
+    kept = asides(tmp_path, H.HISTORY)
     assert len(kept) == 1 and kept[0].read_bytes() == body, kept
-    assert [h["id"] for h in W.read_history(tmp_path)] == ["s1"]
-    said = [ln for ln in capfd.readouterr().err.splitlines() if W.HISTORY in ln]
+    assert [h["id"] for h in H.read(tmp_path)] == ["s1"]
+    said = [ln for ln in capfd.readouterr().err.splitlines() if H.HISTORY in ln]
     assert len(said) == 1 and "moved aside" in said[0] and kept[0].name in said[0], said
 
 
 def test_a_second_corrupt_history_never_overwrites_the_first_set_aside(tmp_path):
     for body in (b"first", b"second", b"third"):  # within one second: the same UTC timestamp
-        (tmp_path / W.HISTORY).write_bytes(body)
-        assert W.read_history(tmp_path) == []
-    assert sorted(p.read_bytes() for p in asides(tmp_path, W.HISTORY)) == [b"first", b"second", b"third"]
+        (tmp_path / H.HISTORY).write_bytes(body)
+        assert H.read(tmp_path) == []
+    assert sorted(p.read_bytes() for p in asides(tmp_path, H.HISTORY)) == [b"first", b"second", b"third"]
 
 
 def test_entries_that_are_not_switch_records_neither_crash_nor_lose_the_next_record(tmp_path, capfd):
     good = dataclasses.asdict(record("s0"))
     body = json.dumps([good, 42, "x", None, {"id": "s9", "started_at": "x", "from_line": 1, "band": "wide"}])
-    (tmp_path / W.HISTORY).write_text(body)
-    assert [h["id"] for h in W.read_history(tmp_path)] == ["s0"]
-    assert "kept" in W.history_table(W.read_history(tmp_path))  # the table of what is left: no crash
-    W._save_history(tmp_path, record("s1"))
-    assert [h["id"] for h in W.read_history(tmp_path)] == ["s0", "s1"]  # the good one kept, the new one added
-    kept = asides(tmp_path, W.HISTORY)
+    (tmp_path / H.HISTORY).write_text(body)
+    assert [h["id"] for h in H.read(tmp_path)] == ["s0"]
+    assert "kept" in H.table(H.read(tmp_path))  # the table of what is left: no crash
+    H.save(tmp_path, record("s1"))
+    assert [h["id"] for h in H.read(tmp_path)] == ["s0", "s1"]  # the good one kept, the new one added
+    kept = asides(tmp_path, H.HISTORY)
     assert len(kept) == 1 and kept[0].read_text() == body  # the file as it was, whole
     assert "4 entries" in capfd.readouterr().err
 

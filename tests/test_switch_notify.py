@@ -6,6 +6,7 @@ switch (tests/systemd/test_switch_under_systemd.py saw the worker killed, result
 
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 import sys
@@ -17,13 +18,22 @@ from pairlib import dspark_cmd
 from standin_lib import STANDIN, write_cluster
 
 from dspark import config as C
-from dspark import line_state, local
+from dspark import line_state, local, state_io, switch_history
 from dspark.local_model import TINY_MODEL
 
 A, B = "v0.28.0", "v0.32.0"
 
 
-def test_a_switch_restarts_vllm_on_the_new_line_without_stopping_the_unit(tmp_path, serve):  # noqa: F811
+def switch_running(state_dir, request) -> None:
+    """A switch runs, holding its lock as dspark switch does, until the test ends: the head
+    leaves the switch record written by the test to it (dspark.switch_history)."""
+    state_dir.mkdir(exist_ok=True)
+    lock = state_io.open_lock(state_dir / switch_history.LOCK)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    request.addfinalizer(lock.close)
+
+
+def test_a_switch_restarts_vllm_on_the_new_line_without_stopping_the_unit(tmp_path, serve, request):  # noqa: F811
     path = write_cluster(tmp_path, drain_s=1.0)
     data = tomllib.loads(path.read_text())
     data["serving"]["line_commands"] = {A: [sys.executable, str(STANDIN)], B: [sys.executable, str(STANDIN)]}
@@ -31,6 +41,7 @@ def test_a_switch_restarts_vllm_on_the_new_line_without_stopping_the_unit(tmp_pa
     s = serve(path, "h", STANDIN_READY_DELAY=0.5)
     s.read(until="READY=1")
     before = len(s.messages)
+    switch_running(tmp_path / "state-h", request)
     line_state.write(tmp_path / "state-h", line_state.LineState(B, A, line_state.Switch("t", A, B, time.time())))
     deadline, st = time.monotonic() + 60, {}
     while time.monotonic() < deadline:
@@ -134,7 +145,7 @@ def test_dspark_switch_to_a_line_that_cannot_start_rolls_the_pair_back_to_the_ol
     ("v0.32.0", "runtime line 'v0.32.0' is not installed on the nodes"),
 ])
 def test_a_node_whose_state_names_a_line_it_cannot_run_serves_the_files_line_with_one_warning(
-        tmp_path, serve, wanted, said):
+        tmp_path, serve, wanted, said, request):
     """v0.29.0 was retired (runtime_lines.toml `[retired]`), v0.32.0 is not in this file's
     line_commands: a node whose switch state names one (a pair switched there before the upgrade,
     or a switch to it under way) comes up on its cluster file's line, saying once why, instead of
@@ -145,6 +156,8 @@ def test_a_node_whose_state_names_a_line_it_cannot_run_serves_the_files_line_wit
     data["serving"]["load_format"] = "dummy"  # no shards: the stand-in loads nothing
     path.write_text(C.dumps(data))
     record = line_state.Switch("s1", A, wanted, time.time()) if wanted == "v0.32.0" else None
+    if record is not None:
+        switch_running(tmp_path / "state-h", request)
     line_state.write(tmp_path / "state-h", line_state.LineState(wanted, A, record))
     s = serve(path, "h", "--check")  # as the units run it
     try:

@@ -6,12 +6,14 @@ a node runs is state, the same on every node of a pair:
 
     <state dir>/runtime-line.json   {"line": "v0.32.0", "file_line": "v0.28.0",
                                      "switch": {"id": ..., "from": ..., "to": ..., "at": ...,
-                                                "rollback": false} | null}
+                                                "rollback": false, "owner_pid": ...,
+                                                "owner_start": ...} | null}
 
 `file_line` is the cluster file's line when the state was written: a cluster file that names
 another line since (a new deployment, a NixOS generation) supersedes the state. `switch` is set
 while a switch (or its rollback) is under way and cleared once the pair serves the line and the
-verdict is in. The head's file is written by `dspark switch`; a worker writes its own when it
+verdict is in; its owner (the `dspark switch` process: PID and start time) is named so that
+a record whose switch was killed is recognised and finished (dspark.switch_history). The head's file is written by `dspark switch`; a worker writes its own when it
 follows its head onto a line (dspark.node_policy), so that a worker restarted alone comes back
 on the pair's line.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,16 +39,22 @@ class Switch:
     to_line: str
     at: float
     rollback: bool = False
+    owner_pid: int | None = None     # the dspark switch that wrote it (None: written by another tool)
+    owner_start: int | None = None   # that process's start time (/proc/PID/stat, clock ticks since boot)
 
     def to_json(self) -> dict:
-        return {"id": self.id, "from": self.from_line, "to": self.to_line, "at": self.at, "rollback": self.rollback}
+        return {"id": self.id, "from": self.from_line, "to": self.to_line, "at": self.at, "rollback": self.rollback,
+                "owner_pid": self.owner_pid, "owner_start": self.owner_start}
 
     @classmethod
     def from_json(cls, d: object) -> "Switch | None":
         if not isinstance(d, dict):
             return None
         try:
-            return cls(str(d["id"]), str(d["from"]), str(d["to"]), float(d["at"]), bool(d.get("rollback", False)))
+            owner = [d.get(k) if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) else None
+                     for k in ("owner_pid", "owner_start")]
+            return cls(str(d["id"]), str(d["from"]), str(d["to"]), float(d["at"]), bool(d.get("rollback", False)),
+                       *owner)
         except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: an "at" past a float's range
             return None
 
@@ -60,6 +69,22 @@ class LineState:
         d = asdict(self)
         d["switch"] = self.switch.to_json() if self.switch else None
         return d
+
+
+def process_start(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot), which tells it from a later process given
+    the same PID; None when there is no such process (or /proc does not show it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read(4096).rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def owned_switch(id: str, from_line: str, to_line: str, *, rollback: bool = False) -> Switch:
+    """A switch record owned by this process."""
+    pid = os.getpid()
+    return Switch(id, from_line, to_line, time.time(), rollback, pid, process_start(pid))
 
 
 def path(state_dir: Path) -> Path:

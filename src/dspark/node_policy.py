@@ -428,6 +428,10 @@ class NodePolicy:
                 to = self._head_line(ev.peers)
                 if to is not None:
                     return self._switch(out, now, to)
+                back = self._head_reformed(ev.peers) if self.switching else None
+                if back is not None:  # a head back on this line after an interrupted switch
+                    return self._switch(out, now, back, f"the head restarted on runtime line {back} during the "
+                                                        "switch: the pair re-forms there")
             if ev.peers is not None:
                 broken = self._peers(now, ev.peers)
                 if broken:
@@ -480,9 +484,10 @@ class NodePolicy:
             return theirs
         return None
 
-    def _switch(self, out: list[Action], now: float, to: str) -> list[Action]:
-        """End this run to go on on line `to`: a serving head drains first (drain_s), anything
-        else stops vLLM at once; a worker that does not have the line holds."""
+    def _switch(self, out: list[Action], now: float, to: str, why: str = "") -> list[Action]:
+        """End this run to go on on line `to` (`why`: said instead of "switching from ... to ..."):
+        a serving head drains first (drain_s), anything else stops vLLM at once; a worker that
+        does not have the line holds."""
         if not self.is_head and to not in self.installed:
             why = (f"cannot follow the head onto runtime line {to}: it is not installed on this node "
                    f"(serving.line_commands has {', '.join(sorted(self.installed)) or 'no line'})")
@@ -490,7 +495,7 @@ class NodePolicy:
             return self._hold(out, EXIT_NEVER_READY, why, "the head left this line" if self.phase == "vllm" else "",
                               held_on=to)
         self.switch_to = to
-        what = f"switching from runtime line {self.runtime_line} to {to}"
+        what = why or f"switching from runtime line {self.runtime_line} to {to}"
         if self.is_head and self.phase == "vllm" and self.ready and self.limits.drain_s > 0:
             lim = self.limits
             self.phase, self.drain_signal = "draining", "the switch"
@@ -520,30 +525,61 @@ class NodePolicy:
         return out
 
     def _held(self, out: list[Action], now: float, ev: Events) -> list[Action]:
-        to = None
+        to, why = None, ""
         if self.is_head:
             if ev.wanted_line and ev.wanted_line != self.held_on:
-                to = ev.wanted_line
+                to, why = ev.wanted_line, f"the pair moved to runtime line {ev.wanted_line}"
         elif ev.peers is not None:
-            head = next((p for p in self.peers if p.is_head), None)
-            a = ev.peers.get(head.name) if head is not None else None
-            st = (a.state if a is not None else None) or {}
-            theirs = st.get("runtime_line")
-            if (isinstance(theirs, str) and theirs and theirs != self.held_on and st.get("file_line") == self.file_line
-                    and theirs in self.installed):
-                to = theirs
+            to, why = self._held_worker_follows(ev.peers)
         if to is not None:
             self.switch_to = to
-            return self._end(out, EXIT_SWITCH, S.STOPPING, f"the pair moved to runtime line {to}", history="keep")
+            return self._end(out, EXIT_SWITCH, S.STOPPING, why, history="keep")
+        failure = self.detail.split("; holding")[0]
+        if not self.switching:  # the switch ended (its verdict, or resolved as abandoned): nothing to wait for
+            return self._end(out, self.held_code, S.FAILED, f"{failure}; the switch is over")
         if now >= self.hold_until:
             self.switching = False
-            return self._end(out, self.held_code, S.FAILED, f"{self.detail.split('; holding')[0]}; the pair's line "
-                             f"did not change within {self.hold_s:g} s")
+            return self._end(out, self.held_code, S.FAILED, f"{failure}; the pair's line did not change within "
+                                                            f"{self.hold_s:g} s")
         if not self.is_head and "peers" not in ev.running and now - self.last_peers >= PEERS_POLL_S:
             self.last_peers = now
             out.append(Action("poll_peers"))
         self._feed(out, now)  # holding on purpose, not hung
         return out
+
+    def _held_worker_follows(self, answers: dict[str, AgentAnswer]) -> tuple[str | None, str]:
+        """A held worker: (the line to go on on, why) when its head answers on another line this
+        worker has, or restarted on this one. A head that answers without a switch record ends
+        the hold (`switching`)."""
+        head = next((p for p in self.peers if p.is_head), None)
+        a = answers.get(head.name) if head is not None else None
+        st = a.state if a is not None else None
+        if not st:
+            return None, ""  # not answering (between two runs): nothing learnt
+        self.switching = bool(st.get("line_switch"))
+        theirs = st.get("runtime_line")
+        if (isinstance(theirs, str) and theirs != self.held_on and st.get("file_line") == self.file_line
+                and theirs in self.installed):
+            return theirs, f"the pair moved to runtime line {theirs}"
+        back = self._head_reformed(answers)
+        if back is not None:
+            return back, f"the head restarted on runtime line {back}: the pair re-forms there"
+        return None, ""
+
+    def _head_reformed(self, answers: dict[str, AgentAnswer]) -> str | None:
+        """A worker: the head's line when the head answers as a new incarnation (not the one this
+        worker paired with) on a line this worker has, of the same cluster file: a head back on
+        the old line after a switch interrupted during its drain. The worker goes on there (its
+        next run enters the rendezvous first), where a broken pair would hold it or end it."""
+        head = next((p for p in self.peers if p.is_head), None)
+        a = answers.get(head.name) if head is not None else None
+        st = a.state if a is not None else None
+        if head is None or head.started_at is None or not st or st.get("started_at") == head.started_at:
+            return None
+        theirs = st.get("runtime_line")
+        if isinstance(theirs, str) and st.get("file_line") == self.file_line and theirs in self.installed:
+            return theirs
+        return None
 
     def _feed(self, out: list[Action], now: float) -> None:
         if self.watchdog_s and now - self.last_dog >= self.watchdog_s:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from . import hardware, line_state, state_io
+from . import hardware, line_state, state_io, switch_history
 from . import log as L
 from . import states as S
 from .agent import Agent
@@ -41,6 +41,7 @@ from .vllm_process import GROUP_GONE_S, VllmProcess
 
 FAILURES_FILE = "failures.json"
 STARTS_FILE = "starts"
+ABANDONED_CHECK_S = 2.0  # the head's look for a switch whose dspark switch is gone, while its state has one
 STOPPED_LINGER_S = 1.5  # how long the agent keeps answering after a clean stop
 # Counters read back from the state directory are clamped: backoff_delay's 5 * 2**(n - 2) s is
 # past a float's range from n = 1026 (about 14 days of a node waiting for its peer), and has
@@ -128,6 +129,7 @@ class Supervisor:
         self.file_line = file_line or cluster.serving.runtime_line
         self._line_mtime: float | None = None
         self._wanted: line_state.LineState | None = None
+        self._abandoned_checked = -1e18
         self.state = S.NodeState(node=node.name, rank=node.rank, role="head" if node.is_head else "worker",
                                  restarts=_count_start(state_dir) if count_start else _read_starts(state_dir),
                                  api_url=cluster.head.api_url if node.is_head else None,
@@ -215,7 +217,13 @@ class Supervisor:
 
     def _read_wanted(self) -> line_state.LineState:
         """The head: the pair's line as its state file says (`dspark switch` writes it), re-read
-        when the file changes; its switch record is served to the workers."""
+        when the file changes; its switch record is served to the workers. A record whose `dspark
+        switch` is gone (killed) is finished here, within ABANDONED_CHECK_S (dspark.switch_history)."""
+        now = time.monotonic()
+        if (self._wanted is not None and self._wanted.switch is not None
+                and now - self._abandoned_checked >= ABANDONED_CHECK_S):
+            self._abandoned_checked = now
+            self._resolve_abandoned()
         m = line_state.mtime(self.state_dir)
         if self._wanted is not None and m == self._line_mtime:
             return self._wanted
@@ -225,6 +233,19 @@ class Supervisor:
         with self._lock:
             self.state.line_switch = sw.to_json() if sw else None
         return wanted
+
+    def _resolve_abandoned(self) -> None:
+        assert self.state_dir is not None  # a head with a state file
+        try:
+            serving = self.state.runtime_line if self.state.state == S.SERVING else None
+            rec = switch_history.resolve_abandoned(self.state_dir, self.file_line, by=f"the head ({self.node.name})",
+                                                   serving_on=serving, limit_s=switch_history.timeout_s(self.sup))
+        except OSError as e:
+            self.say(f"a switch without its dspark switch is left as it is: {e}", logging.WARNING)
+            return
+        if rec is not None:
+            self.say(f"switch {rec.id} ({rec.from_line} -> {rec.to_line}) without its dspark switch: {rec.verdict}: "
+                     f"{rec.reason}", logging.WARNING)
 
     def _events(self, sig: int | None) -> Events:
         ev = Events(signal=sig, vllm_exit=self.vllm.poll(), stage=self.vllm.stage)
@@ -409,6 +430,12 @@ def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
     signals = signals or SignalQueue().install()
     api_key, backoff = read_api_key(), "INVOCATION_ID" in os.environ
     file_line = cluster.serving.runtime_line
+    if node.is_head and state_dir is not None:
+        try:  # a switch killed while this head was down: finished before the head reads its line
+            switch_history.resolve_abandoned(state_dir, file_line, by=f"the head ({node.name}) at its start",
+                                             serving_on=None, limit_s=switch_history.timeout_s(cluster.supervisor))
+        except OSError as e:
+            L.line(logging.WARNING, f"dspark[{node.name}]: a switch without its dspark switch is left as it is: {e}")
     st = line_state.current(state_dir, file_line)
     line, switching, first = st.line, st.switch is not None, True
     while True:
@@ -430,8 +457,19 @@ def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
         to = sup.policy.switch_to
         if code != EXIT_SWITCH or not to:
             return code
-        if not node.is_head and state_dir is not None:
-            # A worker keeps the pair's line, so that it comes back on it after a restart.
-            line_state.write(state_dir, line_state.LineState(to, file_line))
+        if node.is_head and state_dir is not None:
+            # The line the head's state names now: a switch interrupted while this run drained for
+            # it (a rollback before the head moved) goes straight back, not through the new line.
+            to = line_state.current(state_dir, file_line).line
+        elif state_dir is not None:
+            # A worker keeps the pair's line, so that it comes back on it after a restart alone.
+            # Not kept (a full or read-only state directory) costs only that: it follows its head.
+            try:
+                line_state.write(state_dir, line_state.LineState(to, file_line))
+            except OSError as e:
+                sup.say(f"cannot keep the pair's runtime line {to} in {state_dir}: {e.strerror}; following the "
+                        f"head onto it all the same (restarted alone, this worker starts on "
+                        f"{line_state.current(state_dir, file_line).line} and follows its head again)",
+                        logging.WARNING)
         sup.say(f"going on on runtime line {to}")
         line, switching, first = to, True, False

@@ -13,33 +13,38 @@ Typed once, on the head (it writes the head's state; nothing new listens):
   5. verdict: kept, or rolled back the same way to the previous line (still installed) when the
      new line did not serve in time, failed the benchmark, or its score fell below the band.
 Every switch is kept in the head's state directory: switch-history.json (time, from, to,
-verdict, band, time not serving) and switches/<id>/ (the reports and their comparison).
+verdict, band, time not serving; dspark.switch_history), recorded `running` before anything
+changes, and switches/<id>/ (the reports and their comparison), all mode 0600.
+
+Interrupted: Ctrl-C (or SIGTERM, SIGHUP: dspark.switch_cli) before the head's state changes ends
+it `not started`; after, it rolls back; a second one during the rollback leaves the rollback to
+the nodes (the state names the old line; nothing holds) and records `abandoned`. A switch killed
+outright is finished by the head (dspark.switch_history.resolve_abandoned).
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
-import logging
+import errno
+import os
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, cast
 
 from . import line_state, state_io
-from . import log as L
+from . import switch_history as H
 from . import states as S
 from .agent_client import agent_state
 from .bench.client import REQUEST_TIMEOUT_S
 from .config import Cluster, ConfigError
-from .safe_read import NotRegularFile, describe, parse_json
+from .safe_read import NotRegularFile, describe
+from .switch_history import Record
 
-HISTORY = "switch-history.json"
-MAX_HISTORY_BYTES = 16 << 20  # a record is under 1 KiB: thousands of switches
 REPORTS = "switches"
-LOCK = ".switch.lock"
 POLL_S = 0.5
+LOCK_WAIT_S = 2.0  # a head's check of an abandoned switch holds the lock for an instant: waited out
 MIN_BAND = 0.05  # the smallest band: a score within 5 % of the old line's is never a regression
 
 Progress = Callable[[str], None]
@@ -57,22 +62,6 @@ class Verdict:
     after_score: float | None = None
     gain: float | None = None
     band: float | None = None
-
-
-@dataclass
-class Record:
-    id: str
-    started_at: float
-    from_line: str
-    to_line: str
-    verdict: str = "running"          # kept, rolled back, rollback failed, not started
-    reason: str = ""
-    band: float | None = None
-    gain: float | None = None
-    down_s: float | None = None       # time the pair did not serve, switch (and rollback) together
-    serving_on: str | None = None     # the line the pair serves when the switch ends
-    reports: list[str] = field(default_factory=list)
-    ended_at: float | None = None
 
 
 def _gmean(xs: list[float]) -> float:
@@ -116,76 +105,6 @@ def judge(before: list, after: list, min_band: float = MIN_BAND) -> Verdict:
                          "or better", old, new, gain, band)
 
 
-def _number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_record(h: object) -> bool:
-    """A switch record as history_table shows it: the fields it formats have their types."""
-    if not isinstance(h, dict):
-        return False
-    t = h.get("started_at")
-    return (all(isinstance(h.get(k), str) for k in ("id", "from_line", "to_line", "verdict"))
-            and isinstance(h.get("reason", ""), str) and isinstance(h.get("serving_on"), (str, type(None)))
-            and isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 1e11  # time.gmtime's range
-            and all(h.get(k) is None or _number(h.get(k)) for k in ("band", "gain", "down_s", "ended_at")))
-
-
-def _parse_history(data: bytes) -> tuple[list[dict], int]:
-    """(the records, how many entries are not records)."""
-    v = parse_json(data, max_bytes=MAX_HISTORY_BYTES, max_depth=state_io.STATE_JSON_DEPTH)
-    if not isinstance(v, list):
-        raise state_io.CorruptState(f"{state_io.json_kind(v)}, not a list of switches")
-    records = [h for h in v if _is_record(h)]
-    return records, len(v) - len(records)
-
-
-def _load_history(state_dir: Path) -> tuple[list[dict], int]:
-    """A history that is not one (not JSON, not a list, a FIFO, a link, too large) is moved aside
-    (dspark.state_io), never read as empty and then replaced."""
-    empty: tuple[list[dict], int] = ([], 0)
-    return state_io.read_state(Path(state_dir) / HISTORY, _parse_history, empty, default_is="an empty history",
-                               max_bytes=MAX_HISTORY_BYTES)
-
-
-def read_history(state_dir: Path) -> list[dict]:
-    """The switches recorded on this head. Entries that are not switch records are left out, and
-    said; the next switch keeps the file as it was beside the history it writes."""
-    hist, odd = _load_history(state_dir)
-    if odd:
-        L.line(logging.WARNING, f"dspark: {Path(state_dir) / HISTORY}: {odd} entries are not switch records: "
-                                "left out")
-    return hist
-
-
-def _save_history(state_dir: Path, rec: Record) -> None:
-    """`rec` added to the history (or in place of its earlier self), atomically and durably."""
-    path = Path(state_dir) / HISTORY
-    hist, odd = _load_history(state_dir)
-    if odd:
-        state_io.set_aside(path, f"{odd} entries are not switch records", "the records that are", keep=True)
-    hist = [h for h in hist if h.get("id") != rec.id] + [asdict(rec)]
-    state_io.write_atomic(path, json.dumps(hist, indent=1) + "\n")
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:+.1%}"
-
-
-def history_table(hist: list[dict]) -> str:
-    if not hist:
-        return "no switch recorded"
-    rows = [("WHEN (UTC)", "FROM", "TO", "VERDICT", "BAND", "GAIN", "DOWN", "SERVING ON", "WHY")]
-    for h in hist:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.get("started_at") or 0))
-        rows.append((when, h.get("from_line", "?"), h.get("to_line", "?"), h.get("verdict", "?"),
-                     "-" if h.get("band") is None else f"{h['band']:.1%}", _pct(h.get("gain")),
-                     "-" if h.get("down_s") is None else f"{h['down_s']:.0f} s", h.get("serving_on") or "-",
-                     h.get("reason", "")))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
-
-
 @dataclass
 class Bench:
     """The matrix run before and after (dspark.bench.decode), same prompts and seed each time."""
@@ -205,8 +124,7 @@ class Switcher:
                  timeout_s: float | None = None, progress: Progress = print, api_key: str | None = None):
         self.cluster, self.state_dir, self.to = cluster, Path(state_dir), to
         self.bench = bench
-        self.timeout_s = timeout_s if timeout_s is not None else (
-            cluster.supervisor.ready_timeout_s + cluster.supervisor.drain_s + cluster.supervisor.stop_grace_s + 60)
+        self.timeout_s = timeout_s if timeout_s is not None else H.timeout_s(cluster.supervisor)
         self.say = progress
         self.api_key = api_key
         self.file_line = cluster.serving.runtime_line
@@ -233,11 +151,14 @@ class Switcher:
         refused = runtime_lines.refusals(to, settings, lines)
         if refused:
             raise SwitchRefused(f"runtime line {to} cannot run this cluster file: " + "; ".join(refused))
+        states = self._states()
+        self.resolve_abandoned(states)
         st = line_state.read(self.state_dir)
         if st is not None and st.switch is not None:
-            raise SwitchRefused(f"a switch is under way ({st.switch.from_line} -> {st.switch.to_line}, "
-                                f"{st.switch.id}); wait for its verdict (dspark switch --history)")
-        states = self._states()
+            sw = st.switch
+            owner = f", dspark switch pid {sw.owner_pid}" if sw.owner_pid else ""
+            raise SwitchRefused(f"a switch is under way ({sw.from_line} -> {sw.to_line}, {sw.id}{owner}); "
+                                "wait for its verdict (dspark switch --history)")
         head = c.head
         hs = states[head.name]
         if hs is None:
@@ -254,6 +175,21 @@ class Switcher:
         if lagging:
             raise SwitchRefused(f"the nodes are not on one line (the head runs {current}; " + ", ".join(lagging) + ")")
         return current
+
+    def resolve_abandoned(self, states: dict[str, dict | None]) -> None:
+        """An earlier switch whose dspark switch is gone: gone on with, as the head does it
+        (dspark.switch_history), as the state directory's owner, from the nodes' `states`."""
+        st = line_state.read(self.state_dir) if self.state_dir.is_dir() else None
+        if st is None or st.switch is None:
+            return
+        lines = {(s or {}).get("runtime_line") if (s or {}).get("state") == S.SERVING else None
+                 for s in states.values()}
+        serving_on = lines.pop() if len(lines) == 1 else None
+        with state_io.as_owner_of(self.state_dir):
+            rec = H.resolve_abandoned(self.state_dir, self.file_line, by="the next dspark switch",
+                                      serving_on=serving_on, limit_s=self.timeout_s)
+        if rec is not None:
+            self.say(f"an earlier switch ({rec.id}) had lost its dspark switch: {rec.verdict}: {rec.reason}")
 
     # ------------------------------------------------------------------ the steps
     def _set_line(self, line: str, switch: line_state.Switch | None) -> None:
@@ -327,14 +263,13 @@ class Switcher:
             raise SwitchRefused(f"the pair already serves runtime line {self.to}")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         try:  # the state directory is the service user's: a link or a FIFO planted there is refused
-            lock = state_io.open_lock(self.state_dir / LOCK)
+            lock = state_io.open_lock(self.state_dir / H.LOCK)
         except NotRegularFile as e:
             raise SwitchRefused(f"the switch's lock {describe(e)}") from None
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if not _flock_within(lock, LOCK_WAIT_S):
             lock.close()
             raise SwitchRefused("another dspark switch is running on this head") from None
+        umask = os.umask(0o077)  # the reports under switches/ too are the service's alone (0600)
         try:
             # Root (`sudo dspark switch`) writes as the state directory's owner: the history, the
             # line state and the reports under switches/ (dspark.bench) reach nothing that user
@@ -342,6 +277,7 @@ class Switcher:
             with state_io.as_owner_of(self.state_dir, adopt=(REPORTS,)):
                 return self._run(current)
         finally:
+            os.umask(umask)
             lock.close()
 
     def _run(self, current: str) -> Record:
@@ -349,6 +285,10 @@ class Switcher:
         rec = Record(id=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{current}-to-{to}",
                      started_at=time.time(), from_line=current, to_line=to)
         self.say(f"switch {rec.id}: runtime line {current} -> {to}")
+        try:  # recorded before anything changes: a switch killed at any step leaves its record
+            H.save(self.state_dir, rec)
+        except OSError as e:
+            raise SwitchRefused(f"cannot write the switch's record: {os_error_text(e)}") from None
         before: list = []
         try:
             if self.bench is not None:
@@ -359,7 +299,7 @@ class Switcher:
                             f"line {current}; nothing was changed", current
                         return self._finish(rec)
                     before.append(r)
-            self._set_line(to, line_state.Switch(rec.id, current, to, time.time()))
+            self._set_line(to, line_state.owned_switch(rec.id, current, to))
             self.say(f"the head's state names {to}: the head drains and restarts on it, the worker(s) follow")
             ok, why, down = self._wait_serving(to, self.timeout_s, rec)
             verdict: Verdict | None = None
@@ -396,16 +336,28 @@ class Switcher:
             self.say(f"verdict: rolling back to {current}: {verdict.reason}")
             return self._rollback(rec, verdict.reason)
         except KeyboardInterrupt:
+            if rec.verdict != H.RUNNING:
+                raise  # the verdict is in (its rollback was interrupted: recorded there)
             if line_state.current(self.state_dir, self.file_line).line == current:
                 rec.verdict, rec.reason, rec.serving_on = "not started", "interrupted (Ctrl-C) before the switch", current
                 return self._finish(rec)
-            self.say("interrupted: rolling back")
+            self.say(f"interrupted: rolling back to {current} (Ctrl-C again: leave the rollback to the nodes)")
             return self._rollback(rec, "interrupted (Ctrl-C)")
 
     def _rollback(self, rec: Record, reason: str) -> Record:
         back, to = rec.from_line, rec.to_line
-        self._set_line(back, line_state.Switch(rec.id + "-rollback", to, back, time.time(), rollback=True))
-        ok, why, down = self._wait_serving(back, self.timeout_s, rec)
+        self._set_line(back, line_state.owned_switch(rec.id + "-rollback", to, back, rollback=True))
+        try:
+            ok, why, down = self._wait_serving(back, self.timeout_s, rec)
+        except KeyboardInterrupt:
+            # The state names the old line with the rollback's record: the head goes back (its
+            # workers re-form the pair with it) and completes the rollback on its own once the
+            # pair serves (dspark.switch_history.resolve_abandoned). Not waited for here.
+            rec.reason = f"{reason}; interrupted again during the rollback to {back}: left to the head"
+            self.say(f"interrupted again: not waiting; the head completes the rollback to {back} and records it "
+                     "(dspark switch --history)")
+            H.save(self.state_dir, rec)
+            return rec
         if ok:
             rec.down_s = (rec.down_s or 0.0) + (down or 0.0)
             rec.verdict, rec.reason, rec.serving_on = "rolled back", reason, back
@@ -431,9 +383,29 @@ class Switcher:
 
     def _finish(self, rec: Record) -> Record:
         rec.ended_at = time.time()
-        _save_history(self.state_dir, rec)
+        H.save(self.state_dir, rec)
         return rec
 
 
-EXIT_CODES = {"kept": 0, "not started": 1, "rolled back": 1, "rollback failed": 3}
+def _flock_within(lock, wait_s: float) -> bool:
+    """The exclusive lock, waiting out a holder that lets go within `wait_s` (a head's check of
+    an abandoned switch holds it for an instant); False when it is still held."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+
+def os_error_text(e: OSError) -> str:
+    what = {errno.ENOSPC: "the filesystem is full", errno.EDQUOT: "the disk quota is exhausted",
+            errno.EROFS: "the filesystem is read-only"}.get(e.errno or 0, e.strerror or str(e))
+    return f"{e.filename or 'the state directory'}: {what}"
+
+
+EXIT_CODES = {H.KEPT: 0, H.NOT_STARTED: 1, H.ROLLED_BACK: 1, H.ROLLBACK_FAILED: 3, H.RUNNING: 3}
 DEFAULT_STATE_DIR = Path("/var/lib/dspark/head")  # the head unit's StateDirectory (dspark.units)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -46,25 +47,41 @@ def make_bench(no_bench, concurrency, input_len, output_len, rounds, repeats, mi
                  rounds=rounds, repeats=repeats, min_band=min_band)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM, SIGHUP (a closed terminal): handled as Ctrl-C, rolled back
+
+
 def run_switch(cluster, state_dir: Path, line: str | None, history: bool, bench, timeout_s) -> None:
     from .cli_common import fail
     from .credentials import read_api_key
-    from .switch import EXIT_CODES, Switcher, SwitchRefused, history_table, read_history
+    from .switch import EXIT_CODES, Switcher, SwitchRefused, os_error_text
+    from .switch_history import RUNNING, read, table
 
+    switcher = Switcher(cluster, state_dir, line or "", bench=bench, timeout_s=timeout_s,
+                        progress=lambda m: click.echo(m), api_key=read_api_key())
     if history:
-        click.echo(history_table(read_history(state_dir)))
+        click.echo(f"switches of the head whose state directory is {state_dir}:")
+        click.echo(table(read(state_dir)))
         return
     if not line:
         fail("switch: name the runtime line to switch to (dspark switch LINE), or pass --history")
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
-        rec = Switcher(cluster, state_dir, line, bench=bench, timeout_s=timeout_s,
-                       progress=lambda m: click.echo(m), api_key=read_api_key()).run()
+        rec = switcher.run()
     except SwitchRefused as e:
         fail(f"switch refused, nothing changed: {e}")
+    except KeyboardInterrupt:
+        fail(f"switch interrupted; see dspark switch --history --state-dir {state_dir}")
     except PermissionError as e:
         fail(f"switch: {e.strerror}: {e.filename} (the head's state directory; run as root or the service user)")
-    click.echo(f"switch {rec.id}: {rec.verdict}: {rec.reason}; serving on {rec.serving_on or 'nothing'}"
-               + (f"; not serving for {rec.down_s:.1f} s" if rec.down_s is not None else ""))
+    except OSError as e:
+        fail(f"switch: {os_error_text(e)}; see dspark switch --history --state-dir {state_dir}", code=3)
+    if rec.verdict == RUNNING:
+        click.echo(f"switch {rec.id}: left to the head: {rec.reason}")
+    else:
+        click.echo(f"switch {rec.id}: {rec.verdict}: {rec.reason}; serving on {rec.serving_on or 'nothing'}"
+                   + (f"; not serving for {rec.down_s:.1f} s" if rec.down_s is not None else ""))
     click.echo(f"history: {state_dir / 'switch-history.json'}; reports: {state_dir / 'switches' / rec.id}")
     sys.exit(EXIT_CODES.get(rec.verdict, 1))
 
