@@ -160,7 +160,7 @@ def running(api_url: str) -> float:
         return -1.0
 
 
-@pytest.mark.shared_pair_last(3)
+@pytest.mark.shared_pair_last(5)
 def test_ctrl_c_of_local_up_under_load_loses_no_request_in_flight(local_pair):
     """Changes the shared pair: it stops it, as its last test (on whichever line the switches left)."""
     pair = local_pair

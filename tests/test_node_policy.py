@@ -299,3 +299,41 @@ def test_a_finished_background_probe_wakes_the_loop_at_once():
     assert bg.take() == (True, "result") and not bg.busy
     q.put(signal.SIGTERM)
     assert q.get(0) == signal.SIGTERM
+
+
+def test_a_worker_whose_head_stops_cleanly_stops_too_and_ends_stopped_not_failed():
+    """Issue 34, item 2: after a clean stop the worker said `failed: pair broken: local-head: it
+    is stopped` and the dashboard showed it FAILED. A head that shows STOPPED was stopped on
+    purpose (its drain over): the worker stops as well, exit 0, vLLM killed at once (the other end
+    of its collective is gone). A head lost or failed is still a broken pair."""
+    w = policy(is_head=False, peers=[head_peer()])
+    w.start(0.0)
+    w.step(0.1, Events(stage="rendezvous"))
+    w.step(1.2, Events(stage="loading", peers={"h": agent(S.RENDEZVOUS)}))
+    w.step(2.4, Events(stage="warming", peers={"h": agent(S.SERVING)}))
+    assert w.state == S.SERVING
+    out = w.step(3.6, Events(peers={"h": agent(S.STOPPING)}))
+    assert exit_of(out) is None  # the head drains: the worker's ranks serve its requests in flight
+    out = w.step(4.8, Events(peers={"h": agent(S.STOPPED)}))
+    e = exit_of(out)
+    assert e is not None and e.code == EXIT_OK and state_of(out) == (S.STOPPED, "stopped: its head h stopped")
+    stop = next(a for a in out if a.kind == "stop")
+    assert stop.at_once
+    f = policy(is_head=False, peers=[head_peer()])
+    f.start(0.0)
+    f.step(0.1, Events(stage="rendezvous"))
+    f.step(1.2, Events(stage="loading", peers={"h": agent(S.RENDEZVOUS)}))
+    e = exit_of(f.step(2.4, Events(peers={"h": agent(S.FAILED)})))
+    assert e is not None and e.code != EXIT_OK
+
+
+def test_a_second_signal_during_the_heads_drain_kills_vllm_at_once():
+    p = policy(is_head=True, limits={"drain_s": 60.0})
+    p.start(0.0)
+    p.step(0.1, Events(stage="warming"))
+    p.step(0.2, Events(stage="warming", ready_probe=good_probe(0.2)))
+    out = p.step(1.0, Events(signal=signal.SIGTERM))
+    assert "drain" in kinds(out) and exit_of(out) is None
+    out = p.step(2.0, Events(signal=signal.SIGINT))
+    stop = next(a for a in out if a.kind == "stop")
+    assert stop.at_once and exit_of(out).code == EXIT_OK and "killed at once" in state_of(out)[1]

@@ -303,3 +303,20 @@ def test_a_record_whose_switch_holds_the_lock_is_left_alone_and_a_rollback_past_
 
 def last_record_in(state_dir: Path) -> dict:
     return json.loads((state_dir / "switch-history.json").read_text())[-1]
+
+
+def test_the_switch_prints_the_one_figure_its_verdict_used_with_its_band(tmp_path, serve):
+    """Issue 34, item 3: a switch printed a -31.2 % table, then `kept ... -3.4 %`: which figure did
+    the verdict use? It says so now: the score of each line (its runs listed), the gain, the band
+    and how each was formed, after the table, which is marked as not the verdict."""
+    path, nodes = serving_pair(tmp_path, serve)
+    sw = Switch(tmp_path, path, B, *BENCH, "--min-band", "0.9")
+    assert sw.finish(nodes) == 0, sw.text()
+    out = sw.text()
+    rec = last_record(tmp_path)
+    figure = out[out.index("the verdict's figure"):]
+    assert "not the verdict" in figure and "geometric mean" in figure, figure
+    runs = [ln for ln in figure.splitlines() if "tok/s (runs " in ln]
+    assert [ln.split(":")[0].strip() for ln in runs] == [A, B] and all(ln.count(",") == 1 for ln in runs), runs
+    assert f"gain {rec['gain']:+.1%}; noise band {rec['band']:.1%}" in figure and "at least --min-band 90%" in figure
+    assert "within the noise or better: kept" in figure

@@ -4,7 +4,9 @@ shared one, which knows the second line behind the switch tests' wrapper (switch
 change it, so they run after every test that only reads it (`shared_pair_last`), in order: a line
 made slower on purpose (the same 0.32.0 run, one sequence at a time and throttled) rolled back by
 the regression gate, then the switch to 0.32.0 kept with its before/after reports, the history
-listing both. Three real start-ups (the slowed line, the rollback, the kept switch). The times
+listing both. Three real start-ups (the slowed line, the rollback, the kept switch). Then two
+faults on the way back to 0.28.0 (issue 33): a Ctrl-C as the head leaves its line, and a kill -9
+of the switch once the head's state names the line. The times
 the pair did not serve, the bands and the gains are written to test-artifacts/switch-local.json.
 
 A line that cannot start at all (a broken install) is rolled back by the same Switcher: that is
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -121,3 +125,81 @@ def test_a_switch_to_the_second_line_is_kept_with_its_reports_and_the_history_li
     out = subprocess.run(dspark_cmd("local", "switch", "--history", "--dir", str(pair.workdir)),
                          capture_output=True, text=True, timeout=60).stdout
     assert out.count("kept") == 1 and out.count("rolled back") == 1, out
+
+
+def start_switch(pair, line: str, log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:
+        return subprocess.Popen(dspark_cmd("local", "switch", line, "--dir", str(pair.workdir), "--no-bench"),
+                                stdout=f, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, local.LINES_DIR_ENV: str(pair.lines)})
+
+
+def wait_for(what, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if what():
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def head_state(pair) -> dict:
+    return json.loads((pair.workdir / "state" / pair.names[0] / "runtime-line.json").read_text())
+
+
+@pytest.mark.shared_pair_last(3)
+def test_ctrl_c_as_the_head_leaves_its_line_rolls_the_real_pair_back(switch_pair, tmp_path):
+    """Issue 33, item 9 on the real pair (from B, where the kept switch left it): a Ctrl-C as soon
+    as the head shows STOPPING for the switch (its drain, or its restart where the drain is
+    shorter than a poll). The pair serves B again, the history says rolled back and why. Before:
+    the worker held for a line change that never came, `rollback failed`. One real start-up."""
+    pair = switch_pair
+    log = tmp_path / "switch.out"
+    sw = start_switch(pair, A, log)
+    try:
+        assert wait_for(lambda: pair.state(pair.names[0])["state"] != "serving", 300), log.read_text()
+        sw.send_signal(signal.SIGINT)
+        rc = sw.wait(timeout=900)
+    finally:
+        if sw.poll() is None:
+            sw.kill()
+            sw.wait()
+    out = log.read_text()
+    hist = json.loads((pair.workdir / "state" / pair.names[0] / "switch-history.json").read_text())
+    FIGURES["B->A Ctrl-C"] = {k: hist[-1].get(k) for k in ("verdict", "reason", "down_s", "serving_on")}
+    assert rc == 1 and "Traceback" not in out, out
+    assert (hist[-1]["verdict"], hist[-1]["serving_on"]) == ("rolled back", B) and "Ctrl-C" in hist[-1]["reason"]
+    assert lines_of(pair) == {n: ("serving", B) for n in pair.names}
+    assert head_state(pair)["switch"] is None and completes(pair)
+
+
+@pytest.mark.shared_pair_last(4)
+def test_a_switch_killed_at_the_restart_is_gone_on_with_by_the_real_head(switch_pair, tmp_path):
+    """Issue 33, item 8 on the real pair: kill -9 of the switch once the head's state names the new
+    line. The head goes on with it (rolled back if A does not serve yet, abandoned on A if it
+    does) and clears the record; the pair serves one line and the next switch is not refused.
+    One or two real start-ups."""
+    pair = switch_pair
+    log = tmp_path / "switch.out"
+    sw = start_switch(pair, A, log)
+    try:
+        assert wait_for(lambda: (head_state(pair).get("switch") or {}).get("owner_pid") == sw.pid, 300), \
+            log.read_text()
+    finally:
+        sw.kill()
+        sw.wait()
+    assert wait_for(lambda: head_state(pair)["switch"] is None, 600), head_state(pair)
+    hist = json.loads((pair.workdir / "state" / pair.names[0] / "switch-history.json").read_text())
+    rec = hist[-1]
+    FIGURES["B->A kill -9"] = {k: rec.get(k) for k in ("verdict", "reason", "serving_on")}
+    assert rec["verdict"] in ("rolled back", "abandoned") and f"pid {sw.pid}" in rec["reason"], rec
+    line = rec["serving_on"]
+    assert line == (B if rec["verdict"] == "rolled back" else A), rec
+    assert wait_for(lambda: lines_of(pair) == {n: ("serving", line) for n in pair.names}, 600), lines_of(pair)
+    assert completes(pair)
+    out = subprocess.run(dspark_cmd("local", "switch", "--history", "--dir", str(pair.workdir)),
+                         capture_output=True, text=True, timeout=60).stdout
+    assert rec["verdict"] in out and str(pair.workdir) in out, out

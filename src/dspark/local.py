@@ -45,7 +45,10 @@ KV_CACHE_GIB = 1  # per rank; the CPU build takes it from VLLM_CPU_KVCACHE_SPACE
 # One appliance per directory: a second `local up` there is refused (it would rewrite the running
 # pair's cluster file, rotate its logs and delete its state); `local down` signals that PID.
 LOCK_NAME = "local.lock"
-STOP_GRACE_S = 40.0  # Pair.stop: every supervisor's time to exit once the head has had its share
+STOP_GRACE_S = 40.0  # Pair.stop after a fault: every supervisor's time to exit (SIGTERM, then SIGKILL)
+# A planned stop's bound beyond the head's drain_s + stop_grace_s: its sweep, its 1.5 s STOPPED
+# linger, a worker's poll that sees it (1 s) and that worker's own stop (its vLLM killed at once).
+STOP_MARGIN_S = 10.0
 LOCK_RETRY_S = 1.0  # a `local down`/`local status` probe holds the lock for an instant: waited out
 
 
@@ -401,18 +404,20 @@ def left_behind(workdir: Path) -> list[int]:
 
 
 def planned_stop_s(sup: C.SupervisorConfig) -> float:
-    """The head's share of a planned stop (Pair.stop's head_s): its drain, vLLM's grace, 30 s more."""
-    return sup.drain_s + sup.stop_grace_s + 30
+    """The longest a planned stop takes, kept by Pair.stop: the head's drain (drain_s), vLLM's
+    time to exit after it (stop_grace_s; then the head kills it), and STOP_MARGIN_S for the
+    supervisors' own exit, the workers stopping once their head shows STOPPED."""
+    return sup.drain_s + sup.stop_grace_s + STOP_MARGIN_S
 
 
 def stop_bound_s(workdir: Path) -> float:
-    """The longest a planned stop of the appliance in `workdir` takes (Pair.stop: the head's share,
-    then every supervisor's grace), from its cluster file (the defaults' when unreadable)."""
+    """The longest a planned stop of the appliance in `workdir` takes (planned_stop_s), from its
+    cluster file (the defaults' when unreadable), and 5 s for `local up` to release its lock."""
     try:
         sup = C.load(workdir / "cluster.toml").supervisor
     except C.ConfigError:
         sup = C.SupervisorConfig()
-    return planned_stop_s(sup) + STOP_GRACE_S
+    return planned_stop_s(sup) + 5
 
 
 def _is_dspark(pid: int) -> bool:
@@ -507,34 +512,63 @@ class Pair:
         self.procs[node] = p
         return p
 
-    def stop(self, grace_s: float = STOP_GRACE_S, head_s: float = 0.0) -> None:
-        """SIGTERM the head's supervisor and wait up to `head_s` for it (it drains the requests
-        in flight, which need the workers' ranks); then SIGTERM every supervisor still running
-        (a second SIGTERM ends a head's drain at once) and wait up to `grace_s` for every one;
-        SIGKILL their groups if they overstay."""
+    def stop(self, bound_s: float = STOP_GRACE_S, *, planned: bool = False,
+             again: Callable[[], bool] = lambda: False) -> str:
+        """Stop every supervisor within `bound_s`. Planned: SIGTERM to the head alone, which drains
+        the requests in flight (they need the workers' ranks) and stops; its workers stop on their
+        own once it shows STOPPED. Otherwise (after a fault) SIGTERM to every one at once. Those
+        still running STOP_MARGIN_S / 2 before the bound get SIGTERM, those still running at the
+        bound SIGKILL. `again()` true (a second Ctrl-C): SIGKILL at once. Returns what it had to
+        do beyond the plan ("" for nothing)."""
+        deadline = time.monotonic() + bound_s
         head = self.procs.get(HEAD_NAME)
-        if head is not None and head.poll() is None:
+        if planned and head is not None and head.poll() is None:
             head.send_signal(signal.SIGTERM)
-            try:
-                head.wait(timeout=max(0.1, head_s))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+            done = self._wait_all(deadline - STOP_MARGIN_S / 2, again)
+        else:
+            done = False
+        forced = ""
+        if not done and not again():
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            done = self._wait_all(deadline, again)
+        if again():
+            forced = "a second signal: every node killed at once (SIGKILL)"
+        elif not done:
+            forced = f"still running {bound_s:g} s after the stop began: killed (SIGKILL)"
         for p in self.procs.values():
             # A supervisor sweeps vLLM's process group itself (its reaper does, should the
             # supervisor be killed); this sweeps the supervisor's own group, the last resort.
             end_group(p.pid, [p])
+        return forced
+
+    def _wait_all(self, until: float, again: Callable[[], bool]) -> bool:
+        """Wait until every supervisor has exited (True), `until` passes or `again()` (False)."""
+        while time.monotonic() < until and not again():
+            if all(p.poll() is not None for p in self.procs.values()):
+                return True
+            time.sleep(0.1)
+        return all(p.poll() is not None for p in self.procs.values())
 
 
 Progress = Callable[[str], None]
+
+
+class _Count:
+    """How many signals `sigs` received (the queue is read here; SignalQueue keeps the first)."""
+
+    def __init__(self, sigs: SignalQueue) -> None:
+        self.sigs = sigs
+        queued = 0
+        while sigs.get(0) is not None:  # the first one, when nothing took it yet, and any after it
+            queued += 1
+        self.n = max(queued, 1 if sigs.first is not None else 0)
+
+    def __call__(self) -> int:
+        while self.sigs.get(0) is not None:
+            self.n += 1
+        return self.n
 
 
 def wait_state(pair: Pair, node: C.NodeConfig, states: tuple[str, ...], timeout_s: float,
@@ -623,8 +657,11 @@ def _up(workdir: Path, ports: LocalPorts, progress: Progress, compile: bool,
         return sigs.first is not None
 
     everyone = "both nodes" if nodes == 2 else f"all {nodes} nodes"
-    drain = (f"the head first: its requests in flight finish within {cluster.supervisor.drain_s:g} s"
-             if cluster.supervisor.drain_s > 0 else "the head first")
+    sup = cluster.supervisor
+    bound = planned_stop_s(sup)
+    drain = (f"the head first: its requests in flight have up to {sup.drain_s:g} s, vLLM {sup.stop_grace_s:g} s "
+             f"more to exit; done within {bound:g} s; Ctrl-C again kills every node at once"
+             if sup.drain_s > 0 else f"the head first; done within {bound:g} s; Ctrl-C again kills every node at once")
     planned = False
     t0 = time.monotonic()
     try:
@@ -680,10 +717,13 @@ def _up(workdir: Path, ports: LocalPorts, progress: Progress, compile: bool,
         return 130
     finally:
         # A planned stop: the head first, which drains (drain_s), then vLLM has stop_grace_s and
-        # its sweep. After a fault (a supervisor exited: the pair is broken) every node at once:
-        # Pair.stop's second SIGTERM to a head still draining stops it at once.
-        sup = cluster.supervisor
-        pair.stop(grace_s=STOP_GRACE_S, head_s=planned_stop_s(sup) if planned else 0.0)
+        # its sweep; the workers stop once it shows STOPPED. After a fault (a supervisor exited:
+        # the pair is broken) every node at once. A second Ctrl-C kills them all at once.
+        t_stop = time.monotonic()
+        n_sigs = _Count(sigs)
+        forced = pair.stop(bound if planned else STOP_GRACE_S, planned=planned, again=lambda: n_sigs() >= 2)
         sigs.restore()
-        progress("stopped; no process left behind" if all(p.poll() is not None for p in pair.procs.values())
-                 else "warning: a supervisor did not exit")
+        if forced:
+            progress(forced)
+        progress(f"stopped after {time.monotonic() - t_stop:.1f} s; no process left behind"
+                 if all(p.poll() is not None for p in pair.procs.values()) else "warning: a supervisor did not exit")

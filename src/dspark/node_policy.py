@@ -261,8 +261,8 @@ class NodePolicy:
         if not running:  # before anything started
             return self._end(out, EXIT_OK, S.STOPPED, f"stopped ({name}) before starting vLLM", history="keep")
         if self.phase == "draining":  # a second signal: the operator will not wait
-            return self._end(out, EXIT_OK, S.STOPPED, f"vLLM stopped at once: {name} during the drain",
-                             stop=f"{name} during the drain")
+            return self._end(out, EXIT_OK, S.STOPPED, f"vLLM killed at once: a second signal ({name}) during the "
+                             "drain", stop=f"{name} during the drain", at_once=True)
         if self.is_head and self.ready and self.limits.drain_s > 0:
             lim = self.limits
             self.phase, self.drain_signal = "draining", name
@@ -428,6 +428,10 @@ class NodePolicy:
                 to = self._head_line(ev.peers)
                 if to is not None:
                     return self._switch(out, now, to)
+                stopped = self._head_stopped(ev.peers) if self.paired else None
+                if stopped is not None:
+                    return self._end(out, EXIT_OK, S.STOPPED, f"stopped: its head {stopped} stopped",
+                                     stop="its head stopped", at_once=True, hold=False)
                 back = self._head_reformed(ev.peers) if self.switching else None
                 if back is not None:  # a head back on this line after an interrupted switch
                     return self._switch(out, now, back, f"the head restarted on runtime line {back} during the "
@@ -565,6 +569,15 @@ class NodePolicy:
         if back is not None:
             return back, f"the head restarted on runtime line {back}: the pair re-forms there"
         return None, ""
+
+    def _head_stopped(self, answers: dict[str, AgentAnswer]) -> str | None:
+        """A worker: its head's name when the head shows STOPPED (a planned stop, its drain over):
+        the worker stops too, cleanly (exit 0: nothing for systemd to restart), its vLLM at once
+        (its collective's other end is gone). Start the pair again worker first."""
+        head = next((p for p in self.peers if p.is_head), None)
+        a = answers.get(head.name) if head is not None else None
+        st = a.state if a is not None else None
+        return head.name if head is not None and st and st.get("state") == S.STOPPED else None
 
     def _head_reformed(self, answers: dict[str, AgentAnswer]) -> str | None:
         """A worker: the head's line when the head answers as a new incarnation (not the one this

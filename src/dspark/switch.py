@@ -320,14 +320,12 @@ class Switcher:
                     else:
                         verdict = judge(before, after, self.bench.min_band)
                         self._compare(before[0], after[0], rec)
+                        self._explain(before, after, verdict, current, to)
                 else:
                     verdict = Verdict(True, "serving on the new line (no benchmark: --no-bench)")
             else:
                 verdict = Verdict(False, why)
             rec.band, rec.gain = verdict.band, verdict.gain
-            if verdict.band is not None:
-                self.say(f"noise band {verdict.band:.1%} (the largest drop within the noise: twice the largest factor "
-                         f"between a run and its line's geometric mean; {len(before)} runs on each line)")
             if verdict.kept:
                 rec.verdict, rec.reason, rec.serving_on = "kept", verdict.reason, to
                 self._set_line(to, None)
@@ -380,6 +378,26 @@ class Switcher:
         path.write_text(text)
         rec.reports.append(str(path))
         self.say(text.rstrip())
+
+    def _explain(self, before: list, after: list, verdict: Verdict, old: str, new: str) -> None:
+        """The one figure the verdict used, with its band, and how both were formed (the table
+        before it compares the first run of each line figure by figure; it is not the verdict)."""
+        if verdict.before_score is None or verdict.after_score is None or verdict.band is None:
+            return
+        assert self.bench is not None and verdict.gain is not None  # judged: a bench ran, both sides scored
+
+        def runs(reports: list) -> str:
+            return ", ".join(f"{score(r):.1f}" for r in reports if score(r) is not None)
+
+        inside = verdict.gain >= -verdict.band
+        self.say("the verdict's figure (the table above compares the first runs figure by figure; not the verdict): "
+                 "the decode score, the geometric mean of the levels' aggregate tok/s, per line the geometric mean "
+                 f"of its {len(before)} runs")
+        self.say(f"  {old}: {verdict.before_score:.1f} tok/s (runs {runs(before)})")
+        self.say(f"  {new}: {verdict.after_score:.1f} tok/s (runs {runs(after)})")
+        self.say(f"  gain {verdict.gain:+.1%}; noise band {verdict.band:.1%} (twice the largest factor between a run "
+                 f"and its line's mean, at least --min-band {self.bench.min_band:.0%}): "
+                 + ("within the noise or better: kept" if inside else "a drop beyond the noise: rolled back"))
 
     def _finish(self, rec: Record) -> Record:
         rec.ended_at = time.time()
