@@ -63,7 +63,7 @@ def test_a_clean_stop_prints_its_bound_keeps_it_and_the_worker_ends_stopped(tmp_
     assert p.returncode == 0, text
     said = re.search(r"done within (\d+) s", text)
     assert said and float(said.group(1)) == bound, text
-    stopped = re.search(r"stopped after ([\d.]+) s; no process left behind", text)
+    stopped = re.search(r"stopped; no process left behind \(the stop took ([\d.]+) s\)", text)
     assert stopped and float(stopped.group(1)) <= bound and took <= bound + 5, text
     worker_log = (a.workdir / "logs" / f"{local.WORKER_NAME}.log").read_text()
     assert f"stopped: its head {local.HEAD_NAME} stopped" in worker_log, worker_log[-2000:]

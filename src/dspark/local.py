@@ -725,5 +725,5 @@ def _up(workdir: Path, ports: LocalPorts, progress: Progress, compile: bool,
         sigs.restore()
         if forced:
             progress(forced)
-        progress(f"stopped after {time.monotonic() - t_stop:.1f} s; no process left behind"
+        progress(f"stopped; no process left behind (the stop took {time.monotonic() - t_stop:.1f} s)"
                  if all(p.poll() is not None for p in pair.procs.values()) else "warning: a supervisor did not exit")
