@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 
 from pairlib import dspark_cmd, pick_ports
 from test_local_dir_lock import Appliances, standin_line  # noqa: F401 (standin_line: a fixture)
@@ -70,16 +71,26 @@ def test_a_clean_stop_prints_its_bound_keeps_it_and_the_worker_ends_stopped(tmp_
     assert "failed" not in worker_log.split("serving: pair serving")[-1], worker_log[-2000:]
 
 
-def test_a_vllm_that_overstays_its_drain_is_killed_within_the_printed_bound(tmp_path, standin_line):  # noqa: F811
-    """vLLM ignores SIGTERM with a request in flight: the head kills it at drain_s + stop_grace_s
-    and the whole stop ends within the bound printed (75 s of drain and grace here)."""
-    line, env = standin_line
+@contextmanager
+def holding_a_request(tmp_path, line_env):
+    """A running `local up` whose vLLM (the stand-in) ignores SIGTERM and runs one request for
+    minutes: (its process, its output file). Stopped and swept after the block."""
+    line, env = line_env
     a = Appliances(tmp_path / "d", line, {**env, "STANDIN_IGNORE_TERM": "1", "STANDIN_TOKEN_S": "0.5"})
     try:
         ports = pick_ports()
         p = a.start(dspark_cmd(*a.up_args(ports)), tmp_path / "up.out")
         hold_a_request(ports.api)
         time.sleep(2)
+        yield a, p
+    finally:
+        a.close()
+
+
+def test_a_vllm_that_overstays_its_drain_is_killed_within_the_printed_bound(tmp_path, standin_line):  # noqa: F811
+    """vLLM ignores SIGTERM with a request in flight: the head kills it at drain_s + stop_grace_s
+    and the whole stop ends within the bound printed (75 s of drain and grace here)."""
+    with holding_a_request(tmp_path, standin_line) as (a, p):
         bound = bound_of(a.workdir)
         took, text = stop_and_time(p, tmp_path / "up.out", limit=bound + 60)
         assert took <= bound + 5, (took, bound, text)  # + 5: local up's own exit after the stop
@@ -87,21 +98,11 @@ def test_a_vllm_that_overstays_its_drain_is_killed_within_the_printed_bound(tmp_
         head_log = (a.workdir / "logs" / f"{local.HEAD_NAME}.log").read_text()
         assert "drain_s + stop_grace_s" in head_log, head_log[-2000:]
         assert local.left_behind(a.workdir) == []
-    finally:
-        a.close()
 
 
 def test_a_second_ctrl_c_kills_every_node_at_once_and_says_so(tmp_path, standin_line):  # noqa: F811
-    line, env = standin_line
-    a = Appliances(tmp_path / "d", line, {**env, "STANDIN_IGNORE_TERM": "1", "STANDIN_TOKEN_S": "0.5"})
-    try:
-        ports = pick_ports()
-        p = a.start(dspark_cmd(*a.up_args(ports)), tmp_path / "up.out")
-        hold_a_request(ports.api)
-        time.sleep(2)
+    with holding_a_request(tmp_path, standin_line) as (a, p):
         took, text = stop_and_time(p, tmp_path / "up.out", again_after=3.0, limit=120)
         assert took < 30, (took, text)  # not the 75 s of drain and grace
         assert "a second signal: every node killed at once (SIGKILL)" in text and "no process left behind" in text
         assert local.left_behind(a.workdir) == []
-    finally:
-        a.close()

@@ -16,6 +16,8 @@ import socket
 import subprocess
 import time
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -212,6 +214,32 @@ def _umount(where: Path) -> None:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
+@contextmanager
+def tiny_tmpfs(where: Path) -> Iterator[Path]:
+    """`where` (created) as a 64 KiB tmpfs for the block, unmounted after; a skip where mounting
+    is not allowed."""
+    where.mkdir(exist_ok=True)
+    _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where))
+    try:
+        yield where
+    finally:
+        _umount(where)
+
+
+def fill(directory: Path) -> None:
+    """Fill the filesystem of `directory`: its next write is ENOSPC."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for _ in range(10_000):
+            try:
+                os.write(fd, b"\0" * 4096)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                return
+    finally:
+        os.close(fd)
+
+
 def _retired_line_state(state: Path) -> None:
     """A state naming the retired v0.29.0: serve falls back to the file's line and writes that
     down, the write the full or read-only directory refuses (tests/test_switch_notify.py)."""
@@ -230,24 +258,10 @@ def _serve_to_its_end(tmp_path: Path, serve) -> tuple[int, str]:
 
 
 def test_a_full_state_directory_says_what_is_full_and_stays_restartable(tmp_path, serve):
-    state = tmp_path / "state-h"
-    state.mkdir()
-    _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(state))
-    try:
+    with tiny_tmpfs(tmp_path / "state-h") as state:
         _retired_line_state(state)
-        fd = os.open(state / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-        try:  # fill it: the next write is ENOSPC
-            for _ in range(1000):
-                try:
-                    os.write(fd, b"\0" * 4096)
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC
-                    break
-        finally:
-            os.close(fd)
+        fill(state)
         rc, out = _serve_to_its_end(tmp_path, serve)
-    finally:
-        _umount(state)
     assert rc == EXIT_RETRY, out[-3000:]
     last = out.strip().splitlines()[-1]
     assert "No space left on device" in last and str(state) in last, last

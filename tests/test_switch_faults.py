@@ -20,7 +20,6 @@ faults on the real local pair: tests/test_switch_local.py.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from pairlib import dspark_cmd
 from standin_lib import STANDIN, write_cluster
-from test_serve_transient import _mount, _umount
+from test_serve_transient import fill, tiny_tmpfs
 
 from dspark import config as C
 from dspark import line_state
@@ -153,14 +152,14 @@ def test_a_switch_killed_in_its_after_benchmark_is_abandoned_on_the_new_line_and
     assert pump(nodes, lambda: f"bench {B}-after-1" in sw.text(), 180) and sw.proc.poll() is None, sw.text()
     os.kill(sw.proc.pid, signal.SIGKILL)
     sw.proc.wait(timeout=30)
-    assert pump(nodes, ended(tmp_path, "abandoned"), 30), (head_state(tmp_path), sw.text())
+    assert pump(nodes, ended(tmp_path, "abandoned"), 90), (head_state(tmp_path), sw.text())
     rec = last_record(tmp_path)
     assert rec["serving_on"] == B and f"pid {sw.proc.pid}" in rec["reason"] and "the head (h)" in rec["reason"], rec
     assert lines_of(nodes) == [("serving", B)] * 2 and nodes[0].state()["line_switch"] is None
     reports = [p for p in (tmp_path / "state-h" / "switches").rglob("*")]
     assert reports and all(p.stat().st_mode & 0o077 == 0 for p in reports), [oct(p.stat().st_mode) for p in reports]
     os.kill(nodes[1].state()["vllm_pid"], signal.SIGKILL)
-    assert pump(nodes, lambda: all(n.proc.poll() is not None for n in nodes), 60), outputs(nodes)
+    assert pump(nodes, lambda: all(n.proc.poll() is not None for n in nodes), 90), outputs(nodes)
     assert [n.proc.returncode for n in nodes] == [EXIT_DIED, EXIT_DIED]
 
 
@@ -230,53 +229,29 @@ def test_sighup_to_the_switch_a_closed_terminal_is_a_ctrl_c(tmp_path, serve):
 
 
 # ------------------------------------------------------------------ item 11: a full state directory
-def _fill(directory: Path) -> None:
-    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for _ in range(10_000):
-            try:
-                os.write(fd, b"\0" * 4096)
-            except OSError as e:
-                assert e.errno == errno.ENOSPC
-                return
-    finally:
-        os.close(fd)
-
-
 def test_a_full_worker_state_directory_during_a_switch_keeps_the_pair_on_the_new_line(tmp_path, serve):
     """Before: the worker's write of the pair's line raised ENOSPC out of serve (exit 5, or 2
     before that), the switch and its rollback timed out and the pair stayed down."""
-    state_w = tmp_path / "state-w"
-    state_w.mkdir()
-    _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(state_w))
-    try:
+    with tiny_tmpfs(tmp_path / "state-w") as state_w:
         path, nodes = serving_pair(tmp_path, serve)
-        _fill(state_w)
+        fill(state_w)
         sw = Switch(tmp_path, path, B, "--no-bench")
-        rc = sw.finish(nodes)
-        assert rc == 0, sw.text()
+        assert sw.finish(nodes) == 0, sw.text()
         assert lines_of(nodes) == [("serving", B)] * 2
         nodes[1].proc.kill()
         out = nodes[1].proc.stdout.read()
         assert "cannot keep the pair's runtime line" in out and "No space left on device" in out, out[-3000:]
-    finally:
-        _umount(state_w)
 
 
 def test_a_full_head_state_directory_refuses_the_switch_with_nothing_changed(tmp_path, serve):
-    state_h = tmp_path / "state-h"
-    state_h.mkdir()
-    _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(state_h))
-    try:
+    with tiny_tmpfs(tmp_path / "state-h") as state_h:
         path, nodes = serving_pair(tmp_path, serve)
-        _fill(state_h)
+        fill(state_h)
         sw = Switch(tmp_path, path, B, "--no-bench")
         assert sw.finish(nodes, timeout=60) == 2, sw.text()
         assert "nothing changed" in sw.text() and "the filesystem is full" in sw.text() and str(state_h) in sw.text()
         assert lines_of(nodes) == [("serving", A)] * 2
         assert not (state_h / "runtime-line.json").exists()
-    finally:
-        _umount(state_h)
 
 
 # ------------------------------------------------------------------ the resolution itself
