@@ -177,7 +177,7 @@ def test_ctrl_c_as_the_head_leaves_its_line_rolls_the_real_pair_back(switch_pair
             sw.wait()
     out = log.read_text()
     hist = json.loads((pair.workdir / "state" / pair.names[0] / "switch-history.json").read_text())
-    FIGURES["B->A Ctrl-C"] = {k: hist[-1].get(k) for k in ("verdict", "reason", "down_s", "serving_on")}
+    FIGURES[f"{here}->{other} Ctrl-C"] = {k: hist[-1].get(k) for k in ("verdict", "reason", "down_s", "serving_on")}
     assert rc == 1 and "Traceback" not in out, out
     assert (hist[-1]["verdict"], hist[-1]["serving_on"]) == ("rolled back", here) and "Ctrl-C" in hist[-1]["reason"]
     assert lines_of(pair) == {n: ("serving", here) for n in pair.names}
@@ -203,7 +203,7 @@ def test_a_switch_killed_at_the_restart_is_gone_on_with_by_the_real_head(switch_
     assert wait_for(lambda: head_state(pair)["switch"] is None, 600), head_state(pair)
     hist = json.loads((pair.workdir / "state" / pair.names[0] / "switch-history.json").read_text())
     rec = hist[-1]
-    FIGURES["B->A kill -9"] = {k: rec.get(k) for k in ("verdict", "reason", "serving_on")}
+    FIGURES[f"{here}->{other} kill -9"] = {k: rec.get(k) for k in ("verdict", "reason", "serving_on")}
     assert rec["verdict"] in ("rolled back", "abandoned") and f"pid {sw.pid}" in rec["reason"], rec
     line = rec["serving_on"]
     assert line == (here if rec["verdict"] == "rolled back" else other), rec
