@@ -72,7 +72,7 @@ _DIR_HELP = "The local appliance's directory (what `local up --dir` was given)."
               show_default=True, help=_DIR_HELP)
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="How long to wait for it to stop (default: its stop's bound, from its cluster file: "
-                   "drain_s + stop_grace_s + 70 s).")
+                   "drain_s + stop_grace_s + 15 s).")
 def local_down_cmd(workdir: Path, timeout_s: float | None) -> None:
     """Stop the local appliance running from --dir (SIGTERM to its `local up`, as Ctrl-C would)."""
     try:
