@@ -65,7 +65,8 @@ def run_switch(cluster, state_dir: Path, line: str | None, history: bool, bench,
         return
     if not line:
         fail("switch: name the runtime line to switch to (dspark switch LINE), or pass --history")
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # Ctrl-C too, even where it came in ignored (a shell's `&` job): a switch must be stoppable.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
         rec = switcher.run()
