@@ -158,6 +158,9 @@ def test_a_switch_killed_in_its_after_benchmark_is_abandoned_on_the_new_line_and
     assert lines_of(nodes) == [("serving", B)] * 2 and nodes[0].state()["line_switch"] is None
     reports = [p for p in (tmp_path / "state-h" / "switches").rglob("*")]
     assert reports and all(p.stat().st_mode & 0o077 == 0 for p in reports), [oct(p.stat().st_mode) for p in reports]
+    # The worker learns that the switch is over at its next poll of the head (every second): a
+    # failure in the second before that still holds, until the head comes back (under systemd).
+    pump(nodes, lambda: False, 3)
     os.kill(nodes[1].state()["vllm_pid"], signal.SIGKILL)
     assert pump(nodes, lambda: all(n.proc.poll() is not None for n in nodes), 90), outputs(nodes)
     assert [n.proc.returncode for n in nodes] == [EXIT_DIED, EXIT_DIED]

@@ -166,7 +166,7 @@ class NodePolicy:
         self.drain_signal = ""
         self.switch_to: str | None = None  # set when the run ends (EXIT_SWITCH) to go on on this line
         self.held_on: str | None = None    # held: the pair's line when the hold began
-        self.hold_until = self.hold_s = self.head_seen = 0.0
+        self.hold_until = self.hold_s = 0.0
         self._now = 0.0
         self.held_code = EXIT_NEVER_READY
 
@@ -521,7 +521,6 @@ class NodePolicy:
         self.held_on = held_on or self.runtime_line
         self.hold_s = max(lim.ready_timeout_s, lim.worker_wait_timeout_s)
         self.hold_until = self._now + self.hold_s
-        self.head_seen = self._now  # a held worker's head: last answered then
         detail = f"{detail}; holding until the pair's runtime line changes (the switch's rollback)"
         self._show(out, S.FAILED, detail)
         if stop:
@@ -535,17 +534,13 @@ class NodePolicy:
             if ev.wanted_line and ev.wanted_line != self.held_on:
                 to, why = ev.wanted_line, f"the pair moved to runtime line {ev.wanted_line}"
         elif ev.peers is not None:
-            to, why = self._held_worker_follows(ev.peers, now)
+            to, why = self._held_worker_follows(ev.peers)
         if to is not None:
             self.switch_to = to
             return self._end(out, EXIT_SWITCH, S.STOPPING, why, history="keep")
         failure = self.detail.split("; holding")[0]
         if not self.switching:  # the switch ended (its verdict, or resolved as abandoned): nothing to wait for
             return self._end(out, self.held_code, S.FAILED, f"{failure}; the switch is over")
-        if not self.is_head and now - self.head_seen > self.limits.head_lost_s:
-            # A head that does not answer cannot move the pair: the hold would wait for nothing.
-            return self._end(out, self.held_code, S.FAILED, f"{failure}; its head does not answer "
-                                                            f"({self.limits.head_lost_s:g} s)")
         if now >= self.hold_until:
             self.switching = False
             return self._end(out, self.held_code, S.FAILED, f"{failure}; the pair's line did not change within "
@@ -556,7 +551,7 @@ class NodePolicy:
         self._feed(out, now)  # holding on purpose, not hung
         return out
 
-    def _held_worker_follows(self, answers: dict[str, AgentAnswer], now: float) -> tuple[str | None, str]:
+    def _held_worker_follows(self, answers: dict[str, AgentAnswer]) -> tuple[str | None, str]:
         """A held worker: (the line to go on on, why) when its head answers on another line this
         worker has, or restarted on this one. A head that answers without a switch record ends
         the hold (`switching`)."""
@@ -565,7 +560,6 @@ class NodePolicy:
         st = a.state if a is not None else None
         if not st:
             return None, ""  # not answering (between two runs): nothing learnt
-        self.head_seen = now
         self.switching = bool(st.get("line_switch"))
         theirs = st.get("runtime_line")
         if (isinstance(theirs, str) and theirs != self.held_on and st.get("file_line") == self.file_line
