@@ -316,7 +316,7 @@ def test_a_worker_whose_head_stops_cleanly_stops_too_and_ends_stopped_not_failed
     assert exit_of(out) is None  # the head drains: the worker's ranks serve its requests in flight
     out = w.step(4.8, Events(peers={"h": agent(S.STOPPED)}))
     e = exit_of(out)
-    assert e is not None and e.code == EXIT_OK and state_of(out) == (S.STOPPED, "stopped: its head h stopped")
+    assert e is not None and e.code == EXIT_OK and state_of(out) == (S.STOPPED, "its head h stopped")
     stop = next(a for a in out if a.kind == "stop")
     assert stop.at_once
     f = policy(is_head=False, peers=[head_peer()])

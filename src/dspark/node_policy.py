@@ -430,7 +430,7 @@ class NodePolicy:
                     return self._switch(out, now, to)
                 stopped = self._head_stopped(ev.peers) if self.paired else None
                 if stopped is not None:
-                    return self._end(out, EXIT_OK, S.STOPPED, f"stopped: its head {stopped} stopped",
+                    return self._end(out, EXIT_OK, S.STOPPED, f"its head {stopped} stopped",
                                      stop="its head stopped", at_once=True, hold=False)
                 back = self._head_reformed(ev.peers) if self.switching else None
                 if back is not None:  # a head back on this line after an interrupted switch
