@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from dspark import states as S
 from dspark.config import load
@@ -178,20 +177,3 @@ def dataclass_replace(obj, **kw):
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
-
-
-@pytest.fixture
-def serve(tmp_path):
-    """`dspark serve` processes against the stand-in vLLM (tests/standin_lib.Serve), killed after."""
-    from standin_lib import Serve
-
-    started: list = []
-
-    def start(cluster, node, *serve_args, **env):
-        s = Serve(tmp_path, cluster, node, *serve_args, **env)
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.close()
