@@ -555,22 +555,6 @@ class Pair:
 Progress = Callable[[str], None]
 
 
-class _Count:
-    """How many signals `sigs` received (the queue is read here; SignalQueue keeps the first)."""
-
-    def __init__(self, sigs: SignalQueue) -> None:
-        self.sigs = sigs
-        queued = 0
-        while sigs.get(0) is not None:  # the first one, when nothing took it yet, and any after it
-            queued += 1
-        self.n = max(queued, 1 if sigs.first is not None else 0)
-
-    def __call__(self) -> int:
-        while self.sigs.get(0) is not None:
-            self.n += 1
-        return self.n
-
-
 def wait_state(pair: Pair, node: C.NodeConfig, states: tuple[str, ...], timeout_s: float,
                progress: Progress, should_stop: Callable[[], bool], t0: float | None = None,
                watch: tuple[C.NodeConfig, ...] = ()) -> None:
@@ -720,8 +704,7 @@ def _up(workdir: Path, ports: LocalPorts, progress: Progress, compile: bool,
         # its sweep; the workers stop once it shows STOPPED. After a fault (a supervisor exited:
         # the pair is broken) every node at once. A second Ctrl-C kills them all at once.
         t_stop = time.monotonic()
-        n_sigs = _Count(sigs)
-        forced = pair.stop(bound if planned else STOP_GRACE_S, planned=planned, again=lambda: n_sigs() >= 2)
+        forced = pair.stop(bound if planned else STOP_GRACE_S, planned=planned, again=lambda: sigs.received >= 2)
         sigs.restore()
         if forced:
             progress(forced)

@@ -471,13 +471,17 @@ class NodePolicy:
         return out
 
     # ---------------------------------------------------------------- runtime lines
+    def _head_answer(self, answers: dict[str, AgentAnswer]) -> tuple[Peer | None, dict | None]:
+        """A worker: its head, and the head's /state in this poll (None when it did not answer)."""
+        head = next((p for p in self.peers if p.is_head), None)
+        a = answers.get(head.name) if head is not None else None
+        return head, (a.state if a is not None else None)
+
     def _head_line(self, answers: dict[str, AgentAnswer]) -> str | None:
         """A worker: the line its head runs, when it is not this worker's and the head reads the
         same cluster file (then the pair's line is the head's: the worker follows). The head's
         switch record, when it shows one, says whether a failure on the way holds."""
-        head = next((p for p in self.peers if p.is_head), None)
-        a = answers.get(head.name) if head is not None else None
-        st = a.state if a is not None else None
+        _, st = self._head_answer(answers)
         if not st:
             return None
         if not self.is_head:
@@ -555,9 +559,7 @@ class NodePolicy:
         """A held worker: (the line to go on on, why) when its head answers on another line this
         worker has, or restarted on this one. A head that answers without a switch record ends
         the hold (`switching`)."""
-        head = next((p for p in self.peers if p.is_head), None)
-        a = answers.get(head.name) if head is not None else None
-        st = a.state if a is not None else None
+        _, st = self._head_answer(answers)
         if not st:
             return None, ""  # not answering (between two runs): nothing learnt
         self.switching = bool(st.get("line_switch"))
@@ -574,9 +576,7 @@ class NodePolicy:
         """A worker: its head's name when the head shows STOPPED (a planned stop, its drain over):
         the worker stops too, cleanly (exit 0: nothing for systemd to restart), its vLLM at once
         (its collective's other end is gone). Start the pair again worker first."""
-        head = next((p for p in self.peers if p.is_head), None)
-        a = answers.get(head.name) if head is not None else None
-        st = a.state if a is not None else None
+        head, st = self._head_answer(answers)
         return head.name if head is not None and st and st.get("state") == S.STOPPED else None
 
     def _head_reformed(self, answers: dict[str, AgentAnswer]) -> str | None:
@@ -584,9 +584,7 @@ class NodePolicy:
         worker paired with) on a line this worker has, of the same cluster file: a head back on
         the old line after a switch interrupted during its drain. The worker goes on there (its
         next run enters the rendezvous first), where a broken pair would hold it or end it."""
-        head = next((p for p in self.peers if p.is_head), None)
-        a = answers.get(head.name) if head is not None else None
-        st = a.state if a is not None else None
+        head, st = self._head_answer(answers)
         if head is None or head.started_at is None or not st or st.get("started_at") == head.started_at:
             return None
         theirs = st.get("runtime_line")

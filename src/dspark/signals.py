@@ -28,6 +28,7 @@ class SignalQueue:
         # what signal.signal() returned: a handler, SIG_DFL / SIG_IGN (ints), or None (not set from Python)
         self._old: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self.first: int | None = None  # the first signal received, kept after get() took it
+        self.received = 0  # how many signals arrived (a second Ctrl-C: `local up` kills at once)
 
     def install(self, signals=HANDLED) -> "SignalQueue":
         for sig in signals:
@@ -44,6 +45,7 @@ class SignalQueue:
     def _record(self, signum, frame) -> None:  # a handler does nothing else
         if self.first is None:
             self.first = signum
+        self.received += 1
         self._q.put(signum)
 
     def put(self, signum: int) -> None:

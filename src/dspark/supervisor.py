@@ -236,16 +236,8 @@ class Supervisor:
 
     def _resolve_abandoned(self) -> None:
         assert self.state_dir is not None  # a head with a state file
-        try:
-            serving = self.state.runtime_line if self.state.state == S.SERVING else None
-            rec = switch_history.resolve_abandoned(self.state_dir, self.file_line, by=f"the head ({self.node.name})",
-                                                   serving_on=serving, limit_s=switch_history.timeout_s(self.sup))
-        except OSError as e:
-            self.say(f"a switch without its dspark switch is left as it is: {e}", logging.WARNING)
-            return
-        if rec is not None:
-            self.say(f"switch {rec.id} ({rec.from_line} -> {rec.to_line}) without its dspark switch: {rec.verdict}: "
-                     f"{rec.reason}", logging.WARNING)
+        serving = self.state.runtime_line if self.state.state == S.SERVING else None
+        _resolve_abandoned(self.state_dir, self.file_line, self.sup, f"the head ({self.node.name})", serving, self.say)
 
     def _events(self, sig: int | None) -> Events:
         ev = Events(signal=sig, vllm_exit=self.vllm.poll(), stage=self.vllm.stage)
@@ -402,6 +394,20 @@ def _starts(state_dir: Path) -> int:
                                max_bytes=MAX_STARTS_BYTES)
 
 
+def _resolve_abandoned(state_dir: Path, file_line: str, sup, by: str, serving_on: str | None, say) -> None:
+    """The head's part of dspark.switch_history.resolve_abandoned: what it did (or could not do)
+    said as a warning through `say(message, level)`."""
+    try:
+        rec = switch_history.resolve_abandoned(state_dir, file_line, by=by, serving_on=serving_on,
+                                               limit_s=switch_history.timeout_s(sup))
+    except OSError as e:
+        say(f"a switch without its dspark switch is left as it is: {e}", logging.WARNING)
+        return
+    if rec is not None:
+        say(f"switch {rec.id} ({rec.from_line} -> {rec.to_line}) without its dspark switch: {rec.verdict}: "
+            f"{rec.reason}", logging.WARNING)
+
+
 def _read_starts(state_dir: Path | None) -> int:
     """The restarts already counted (a switch's next run is the same start)."""
     return max(0, _starts(state_dir) - 1) if state_dir else 0
@@ -430,12 +436,9 @@ def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
     signals = signals or SignalQueue().install()
     api_key, backoff = read_api_key(), "INVOCATION_ID" in os.environ
     file_line = cluster.serving.runtime_line
-    if node.is_head and state_dir is not None:
-        try:  # a switch killed while this head was down: finished before the head reads its line
-            switch_history.resolve_abandoned(state_dir, file_line, by=f"the head ({node.name}) at its start",
-                                             serving_on=None, limit_s=switch_history.timeout_s(cluster.supervisor))
-        except OSError as e:
-            L.line(logging.WARNING, f"dspark[{node.name}]: a switch without its dspark switch is left as it is: {e}")
+    if node.is_head and state_dir is not None:  # a switch killed while this head was down: gone on with first
+        _resolve_abandoned(state_dir, file_line, cluster.supervisor, f"the head ({node.name}) at its start", None,
+                           lambda msg, level: L.line(level, f"dspark[{node.name}]: {msg}"))
     st = line_state.current(state_dir, file_line)
     line, switching, first = st.line, st.switch is not None, True
     while True:

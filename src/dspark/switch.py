@@ -17,17 +17,17 @@ verdict, band, time not serving; dspark.switch_history), recorded `running` befo
 changes, and switches/<id>/ (the reports and their comparison), all mode 0600.
 
 Interrupted: Ctrl-C (or SIGTERM, SIGHUP: dspark.switch_cli) before the head's state changes ends
-it `not started`; after, it rolls back; a second one during the rollback leaves the rollback to
-the nodes (the state names the old line; nothing holds) and records `abandoned`. A switch killed
-outright is finished by the head (dspark.switch_history.resolve_abandoned).
+it `not started`; after, it rolls back; a second one during the rollback stops waiting and leaves
+the rollback to the head, which completes and records it. A switch killed outright is gone on
+with by the head (dspark.switch_history.resolve_abandoned).
 """
 
 from __future__ import annotations
 
-import fcntl
 import errno
-import os
+import fcntl
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,7 +295,7 @@ class Switcher:
                 for i in range(max(2, self.bench.repeats)):
                     r = self._bench(f"{current}-before-{i + 1}", rec)
                     if r is None or r.error:
-                        rec.verdict, rec.reason, rec.serving_on = "not started", "the benchmark failed on the old " \
+                        rec.verdict, rec.reason, rec.serving_on = H.NOT_STARTED, "the benchmark failed on the old " \
                             f"line {current}; nothing was changed", current
                         return self._finish(rec)
                     before.append(r)
@@ -327,7 +327,7 @@ class Switcher:
                 verdict = Verdict(False, why)
             rec.band, rec.gain = verdict.band, verdict.gain
             if verdict.kept:
-                rec.verdict, rec.reason, rec.serving_on = "kept", verdict.reason, to
+                rec.verdict, rec.reason, rec.serving_on = H.KEPT, verdict.reason, to
                 self._set_line(to, None)
                 self.say(f"verdict: kept {to}: {verdict.reason}")
                 return self._finish(rec)
@@ -337,7 +337,7 @@ class Switcher:
             if rec.verdict != H.RUNNING:
                 raise  # the verdict is in (its rollback was interrupted: recorded there)
             if line_state.current(self.state_dir, self.file_line).line == current:
-                rec.verdict, rec.reason, rec.serving_on = "not started", "interrupted (Ctrl-C) before the switch", current
+                rec.verdict, rec.reason, rec.serving_on = H.NOT_STARTED, "interrupted (Ctrl-C) before the switch", current
                 return self._finish(rec)
             self.say(f"interrupted: rolling back to {current} (Ctrl-C again: leave the rollback to the nodes)")
             return self._rollback(rec, "interrupted (Ctrl-C)")
@@ -358,11 +358,11 @@ class Switcher:
             return rec
         if ok:
             rec.down_s = (rec.down_s or 0.0) + (down or 0.0)
-            rec.verdict, rec.reason, rec.serving_on = "rolled back", reason, back
+            rec.verdict, rec.reason, rec.serving_on = H.ROLLED_BACK, reason, back
             self._set_line(back, None)
             self.say(f"rolled back: serving on {back} again; the pair did not serve for {rec.down_s:.1f} s in all")
         else:
-            rec.verdict, rec.reason = "rollback failed", f"{reason}; the rollback: {why}"
+            rec.verdict, rec.reason = H.ROLLBACK_FAILED, f"{reason}; the rollback: {why}"
             self._set_line(back, None)
             self.say(f"the rollback to {back} did not serve: {why}")
         return self._finish(rec)
