@@ -453,14 +453,21 @@ def down(workdir: Path, timeout_s: float | None = None, progress: "Progress" = p
         pass  # it ended meanwhile: its lock says when it is gone
     progress(f"stopping the local appliance in {workdir} (PID {h.pid}): SIGTERM sent, as Ctrl-C would; "
              f"waiting up to {bound:g} s (the head drains first, then every node stops)")
-    while time.monotonic() - t0 < bound:
-        if not holder(workdir).running:
-            took = time.monotonic() - t0
-            progress(f"stopped after {took:.1f} s; its logs are in {workdir.resolve() / 'logs'}")
-            return took
-        time.sleep(0.2)
+    took = _wait_stopped(lambda: not holder(workdir).running, t0, bound)
+    if took is not None:
+        progress(f"stopped after {took:.1f} s; its logs are in {workdir.resolve() / 'logs'}")
+        return took
     raise LocalError(f"the local appliance (PID {h.pid}) still runs {bound:g} s after SIGTERM: its nodes are still "
                      f"stopping (see {workdir.resolve() / 'logs'}); run local down again to wait longer")
+
+
+def _wait_stopped(stopped: Callable[[], bool], t0: float, bound: float) -> float | None:
+    """Seconds from `t0` until `stopped()` holds (polled every 0.2 s); None once `bound` passed."""
+    while time.monotonic() - t0 < bound:
+        if stopped():
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    return None
 
 
 def _stop_left_behind(workdir: Path, pids: list[int], timeout_s: float | None, progress: "Progress",
@@ -476,12 +483,10 @@ def _stop_left_behind(workdir: Path, pids: list[int], timeout_s: float | None, p
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    while time.monotonic() - t0 < bound:
-        if not left_behind(workdir):
-            took = time.monotonic() - t0
-            progress(f"stopped after {took:.1f} s; their logs are in {workdir.resolve() / 'logs'}")
-            return took
-        time.sleep(0.2)
+    took = _wait_stopped(lambda: not left_behind(workdir), t0, bound)
+    if took is not None:
+        progress(f"stopped after {took:.1f} s; their logs are in {workdir.resolve() / 'logs'}")
+        return took
     raise LocalError(f"supervisors {', '.join(map(str, left_behind(workdir)))} still run from {workdir} {bound:g} s "
                      "after SIGTERM; run local down again to wait longer")
 
