@@ -35,8 +35,8 @@ from pairlib import start_pair  # noqa: E402  (`dspark local up` on free loopbac
 
 from dspark.bench import decode, prompts  # noqa: E402
 from dspark.bench.client import Target, describe, scrape  # noqa: E402
-from dspark.bench.metrics import window  # noqa: E402
-from dspark import vllm_facts as F  # noqa: E402
+from dspark.engine.metrics import window  # noqa: E402
+from dspark.engine import facts as F  # noqa: E402
 
 HASH_SEED = "0"        # PYTHONHASHSEED of both the prompt derivation and `vllm bench serve`
 CHUNK = 16             # timed_trace: tokens per hash id

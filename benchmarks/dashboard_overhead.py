@@ -43,8 +43,8 @@ TARGET_PCT = 2.0
 
 
 def generation_tokens(api_url: str) -> float:
-    from dspark import vllm_facts as F
-    from dspark.dashboard.metrics import parse
+    from dspark.engine import facts as F
+    from dspark.engine.metrics import parse
 
     with urllib.request.urlopen(api_url + F.METRICS, timeout=10) as r:
         return parse(r.read().decode(), at=time.monotonic()).counters[F.GENERATION_TOKENS]
@@ -159,7 +159,7 @@ class OpenDashboard:
 # ----------------------------------------------------------------------------- the run
 
 def vllm_api_pid(cluster) -> int | None:
-    from dspark.status import agent_state
+    from dspark.node.agent_client import agent_state
 
     return (agent_state(cluster.head.agent_url) or {}).get("vllm_pid")
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
-    from dspark.config import load
+    from dspark.config.validate import load
 
     tmp = Path(tempfile.mkdtemp(prefix="dspark-dash-bench-"))
     pair = None

@@ -39,7 +39,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in 
 from appliance import Appliance, install  # noqa: E402
 from nspawn_container import Container, missing_requirements  # noqa: E402
 
-from dspark.local import HEAD_NAME, SERVED_NAME, node_name  # noqa: E402
+from dspark.local.appliance import HEAD_NAME, SERVED_NAME, node_name  # noqa: E402
 from pairlib import node_counts_arg  # noqa: E402
 
 COMPLETED, HTTP_ERROR, CONN_ERROR, HUNG, DROPPED = "completed", "http_error", "connection_error", "hung", "dropped"

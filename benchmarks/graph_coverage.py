@@ -72,7 +72,7 @@ def patched_copy(dest: Path, overlay_dir: Path, source: Path | None = None) -> P
     """A copy of the installed vLLM tree (or of the site directory ``source``) with the overlay
     series (a directory or a series file) applied."""
     sys.path.insert(0, str(REPO / "src"))
-    from dspark.overlay import apply_series
+    from dspark.lines.overlay import apply_series
 
     source = source or _site_packages()
     shutil.copytree(source / "vllm", dest / "vllm", ignore=shutil.ignore_patterns("__pycache__"))
@@ -173,7 +173,7 @@ def grid_cases() -> list[dict]:
     """Each grid point twice: the former rule (multiples of k + 1 only) and dspark's list now
     (ServingConfig.capture_sizes, what render passes as --cudagraph-capture-sizes)."""
     sys.path.insert(0, str(REPO / "src"))
-    from dspark.config import ServingConfig
+    from dspark.config.schema import ServingConfig
 
     out = []
     for s in GRID_SEQS:
@@ -188,10 +188,10 @@ def grid_cases() -> list[dict]:
 
 def grid_lines() -> dict[str, tuple[Path, str]]:
     """line -> (its vLLM site directory, its Python) for each runtime line installed here: the
-    default line in this environment, the others under dspark.local.lines_dir()."""
+    default line in this environment, the others under dspark.local.appliance.lines_dir()."""
     sys.path.insert(0, str(REPO / "src"))
-    from dspark import runtime_lines
-    from dspark.local import lines_dir
+    from dspark.lines import runtime as runtime_lines
+    from dspark.local.appliance import lines_dir
 
     lines = runtime_lines.load()
     out = {lines.default: (_site_packages(), sys.executable)}
@@ -206,7 +206,7 @@ def collect_grid(line: str, timeout: float = 1800) -> dict:
     """Every grid case through vLLM's own managers (graph_grid_checks.py) on a copy of the line's
     vLLM with the line's series applied, in the line's Python."""
     sys.path.insert(0, str(REPO / "src"))
-    from dspark.overlay import line_series
+    from dspark.lines.overlay import line_series
 
     installed = grid_lines()
     if line not in installed:

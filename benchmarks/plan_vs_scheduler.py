@@ -143,7 +143,7 @@ def patched_site(dest: Path) -> Path:
     """A copy of the installed vLLM with the overlay applied (tests/overlay/conftest.py's way)."""
     import importlib.util
 
-    from dspark.overlay import apply_series
+    from dspark.lines.overlay import apply_series
 
     copy_vllm_tree = overlay_conftest().copy_vllm_tree
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from pairlib import kill_leftovers, start_pair  # noqa: E402  (shared with the tests)
 
-from dspark import local as L  # noqa: E402
+from dspark.local import appliance as L  # noqa: E402
 
 ENV = "VLLM_SHM_BROADCAST_BUSY_LOOP_S"
 VARIANTS = (("stock 1 s", {ENV: "1"}), ("patched (default 0.002 s)", {}))
@@ -346,7 +346,7 @@ def local_series_applied() -> bool:
     import sysconfig
 
     site = sysconfig.get_paths()["purelib"]
-    r = subprocess.run([sys.executable, "-m", "dspark.overlay", "check", site, "--series",
+    r = subprocess.run([sys.executable, "-m", "dspark.lines.overlay", "check", site, "--series",
                         str(REPO / "overlay" / "local-series")], capture_output=True, text=True, timeout=120)
     return r.returncode == 0
 

@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from pairlib import node_counts_arg, pick_ports  # noqa: E402  (shared with the tests)
 
-from dspark import config as C  # noqa: E402
-from dspark import local as L  # noqa: E402
-from dspark.notify import child_env  # noqa: E402
-from dspark.render import render  # noqa: E402
+from dspark.config import validate as C  # noqa: E402
+from dspark.local import appliance as L  # noqa: E402
+from dspark.node.notify import child_env  # noqa: E402
+from dspark.node.launch import render  # noqa: E402
 
 TIMEOUT_S = 900
 

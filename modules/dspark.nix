@@ -29,7 +29,7 @@ let
 
   # The fields the module itself reads (role, ports, addresses) are declared so that they are
   # type-checked; everything else in the cluster file passes through as written. Defaults are
-  # those of src/dspark/config.py (a test keeps the two equal).
+  # those of src/dspark/config/validate.py (a test keeps the two equal).
   nodeModule = {
     freeformType = settingsFormat.type;
     options = {
@@ -132,7 +132,7 @@ let
   # (exec-credential.c: a missing LoadCredential= source is not fatal when SetCredential= has the
   # same name); `dspark serve` then finds this marker and refuses with the file's name
   # (DSPARK_API_KEY_FILE) instead of systemd's bare 243/CREDENTIALS. The marker is
-  # dspark.credentials.NO_KEY_FILE; systemd 252 ignores an empty SetCredential= value.
+  # dspark.config.credentials.NO_KEY_FILE; systemd 252 ignores an empty SetCredential= value.
   apiKeyConfig = lib.optionalAttrs (cfg.apiKeyFile != null) {
     LoadCredential = "api-key:${cfg.apiKeyFile}";
     SetCredential = "api-key:dspark:no-key-file";
@@ -141,7 +141,7 @@ let
     DSPARK_API_KEY_FILE = cfg.apiKeyFile;
   };
   # A unit of this host's role: started at boot with autoStart, restarted with the cluster file.
-  # Its sandbox is the package's unit text (src/dspark/unit_render.py: `systemd-analyze security` 1.5,
+  # Its sandbox is the package's unit text (src/dspark/units/render.py: `systemd-analyze security` 1.5,
   # each remaining exposure explained there: CUDA and RDMA devices, JIT, sockets); what is added
   # here (user, environment, credential) relaxes none of it (tests/nix/test_module_hardening.py).
   roleUnit =
@@ -299,7 +299,7 @@ in
                 description = "The command that runs vLLM's CLI (the argv before `serve`): by default the chosen runtime line's.";
               };
               # Read by the assertions: tensor_parallel_size x pipeline_parallel_size must equal
-              # the nodes' GPUs. Defaults are those of src/dspark/config.py.
+              # the nodes' GPUs. Defaults are those of src/dspark/config/validate.py.
               options.tensor_parallel_size = mkOption {
                 type = types.ints.positive;
                 default = 2;

@@ -1,13 +1,13 @@
 """Apply one runtime line's overlay series to an installed vLLM tree: what nix/runtime.nix runs in
-its install phase, and nix/replay-runtime.py after its install (so the two cannot drift).
+its install phase, and nix/replay_runtime after its install (so the two cannot drift).
 
     python3 nix/apply-overlay.py --vllm-version 0.32.0 SITE_PACKAGES PATCH...
 
 The patches are the line's series in order (nix/lines.nix: the line's series file), each its own
-path (in the Nix build, its own store path). They are applied by dspark.overlay (all or nothing,
+path (in the Nix build, its own store path). They are applied by dspark.lines.overlay (all or nothing,
 `patch -F0`) from a directory holding them and a `series` file naming them, headed with the line's
 release (`# vllm-version:`), which the tree must hold. An empty series only checks the release.
-Needs dspark's src/ on PYTHONPATH; standard library only otherwise. Exit status: dspark.overlay's.
+Needs dspark's src/ on PYTHONPATH; standard library only otherwise. Exit status: dspark.lines.overlay's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dspark import overlay
+from dspark.lines import overlay
 
 # A file copied into the Nix store is named <hash>-<name>; the series names it by <name>.
 _STORE_NAME = re.compile(r"[0-9a-z]{32}-(.+)")

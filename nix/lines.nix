@@ -1,10 +1,10 @@
 # The runtime lines the flake builds, read from src/dspark/data/runtime_lines.toml (the file
-# dspark.runtime_lines reads: one source for the lines, their locks and their overlay series).
+# dspark.lines.runtime reads: one source for the lines, their locks and their overlay series).
 # Pure (builtins only), so the tests evaluate it without nixpkgs.
 #
 # Each line: its id, its vLLM release, its lock, the flake attribute of its runtime and its overlay
 # series in order. The series is the line's series file (`series_file`: overlay/series for v0.28.0,
-# overlay/lines/<id>/series for a later line), read as dspark.overlay reads it: one patch a line,
+# overlay/lines/<id>/series for a later line), read as dspark.lines.overlay reads it: one patch a line,
 # each a path relative to the series file's folder, `#` comments. (A line without `series_file`
 # applies its `series.applies` from overlay/.) Each patch becomes a store path of its own, so a
 # line's runtime changes only with its own patches. Only a line whose lock is complete

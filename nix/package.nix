@@ -31,7 +31,7 @@ python3Packages.buildPythonApplication {
   # and the cluster file from DSPARK_NODE / DSPARK_CONFIG, which the NixOS module sets.
   postInstall = ''
     PYTHONPATH="$out/${python.sitePackages}:$PYTHONPATH" ${python.interpreter} \
-      -c 'import sys; from dspark.cli import main; sys.exit(main())' \
+      -c 'import sys; from dspark.cli.main import main; sys.exit(main())' \
       systemd render --out "$out/lib/systemd/system" --dspark-bin "$out/bin/dspark"
   '';
 

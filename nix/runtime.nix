@@ -5,7 +5,7 @@
 #
 # How the wheels are installed (interpreter, installer flags, order, files removed, the nixpkgs
 # libraries added, the driver libraries left to the host, stripping) is data in
-# runtime-build.json, which nix/replay-runtime.py replays without nixpkgs: change it there.
+# runtime-build.json, which nix/replay_runtime replays without nixpkgs: change it there.
 {
   lib,
   pkgs,

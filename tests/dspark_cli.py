@@ -27,7 +27,7 @@ class Ran:
 def invoke_dspark(*args: str, env: dict[str, str | None] | None = None, cwd: Path | str | None = None) -> Ran:
     """`dspark ARGS` in this process. `env` changes the environment for the call (None unsets
     a variable); `cwd` is the working directory during the call."""
-    from dspark.cli import main
+    from dspark.cli.main import main
 
     # A subprocess writing to a pipe formats help and messages for COLUMNS or 80 columns.
     try:

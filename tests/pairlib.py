@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
-    from dspark.local import LocalPorts
+    from dspark.local.appliance import LocalPorts
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -34,7 +34,7 @@ def count_head_starts(head_log: str) -> int:
 
 def local_head_log(workdir: Path) -> str:
     """The head supervisor's log of a `local up --dir workdir` (empty before it has one)."""
-    from dspark.local import node_name
+    from dspark.local.appliance import node_name
 
     try:
         return (workdir / "logs" / f"{node_name(0)}.log").read_text(errors="replace")
@@ -75,7 +75,7 @@ def kill_leftovers(workdir: Path, groups: Iterable[int] = ()) -> None:
     `groups` (groups the test's own processes lead). vLLM's engine and TP workers rename
     themselves (`VLLM::Worker_TP1`): their command line no longer names `workdir`, their
     process group is still their vLLM's, so a group is the way to find them."""
-    from dspark.vllm_process import end_group
+    from dspark.node.vllm_process import end_group
 
     leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
     pgids = set(groups)
@@ -111,7 +111,7 @@ def get_json(url: str, timeout: float = 2.0):
 
 
 def pick_ports(nodes: int = 2) -> "LocalPorts":
-    from dspark.local import LocalError, LocalPorts, check_ports_free
+    from dspark.local.appliance import LocalError, LocalPorts, check_ports_free
 
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(50):
@@ -129,7 +129,7 @@ def node_counts_arg(text: str) -> list[int]:
     """A benchmark's `--nodes 2,4`: the node counts the local appliance runs (argparse type)."""
     import argparse
 
-    from dspark.local import valid_node_counts
+    from dspark.local.appliance import valid_node_counts
 
     try:
         counts = [int(x) for x in text.split(",") if x.strip()]
@@ -156,7 +156,7 @@ class PairHandle:
     @property
     def names(self) -> list[str]:
         """Every node's name, by rank (the head's first)."""
-        from dspark.local import node_name
+        from dspark.local.appliance import node_name
 
         return [node_name(r) for r in range(self.nodes)]
 
@@ -169,7 +169,7 @@ class PairHandle:
         return f"http://127.0.0.1:{self.ports.api}"
 
     def agent_url(self, node: str) -> str:
-        from dspark.local import node_address
+        from dspark.local.appliance import node_address
 
         return f"http://{node_address(self.names.index(node))}:{self.ports.agent}"
 

@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from dspark import config as C
+from dspark.config.template import dumps
+from dspark.config import validate as C
 from pairlib import dspark_cmd, get_json
 
 STANDIN = Path(__file__).parent / "standin_vllm.py"
@@ -36,7 +37,7 @@ def write_cluster(tmp: Path, nodes: int = 1, **supervisor) -> Path:
                         "speculative_config": {}, "env": {"FROM_CONFIG": "1"}},
             "supervisor": sup, "nodes": entries}
     path = tmp / "cluster.toml"
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return path
 
 

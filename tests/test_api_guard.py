@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark.render import API_GUARD_DIR, node_env, render
+from dspark.config.schema import Cluster
+from dspark.config import validate as C
+from dspark.node.launch import API_GUARD_DIR, node_env, render
 
 HERE = Path(__file__).parent
 FIXTURE = HERE / "fixtures" / "cluster-two-node.toml"
@@ -30,7 +31,7 @@ KEY = "sk-guard-test"
 pytestmark = pytest.mark.vllm
 
 
-def frontend_flags(cluster: C.Cluster) -> list[str]:
+def frontend_flags(cluster: Cluster) -> list[str]:
     """The rendered head's flags that shape vLLM's HTTP app."""
     argv = render(cluster, cluster.head).argv
     out = []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark import credentials
+from dspark.config import credentials
 from pairlib import run_dspark
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cluster-two-node.toml"
@@ -101,9 +101,9 @@ def test_the_units_dspark_renders_load_no_credential_for_a_worker():
     """`dspark systemd render/install` (hosts without the NixOS module): no unit file and no
     worker drop-in loads a credential (an operator who wants the key adds LoadCredential= to the
     head's unit alone)."""
-    from dspark import units
+    from dspark.units.render import NodeRole, node_dropins, render_units
 
-    files = units.render_units("/opt/dspark/bin/dspark")
-    for role in ([units.NodeRole("spark-b", False)], [units.NodeRole("w1", False), units.NodeRole("w2", False)]):
-        files.update(units.node_dropins(role))
+    files = render_units("/opt/dspark/bin/dspark")
+    for role in ([NodeRole("spark-b", False)], [NodeRole("w1", False), NodeRole("w2", False)]):
+        files.update(node_dropins(role))
     assert [name for name, text in files.items() if "Credential" in text] == []

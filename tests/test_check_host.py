@@ -12,6 +12,7 @@ import pytest
 
 from dspark.preflight import host as H
 from dspark.preflight import model_dir as M
+from dspark.units import user as U
 from plan_fixtures import write_header_only_shard
 
 GiB = 1 << 30
@@ -157,7 +158,7 @@ def model(tmp_path: Path, total: int | None = None) -> Path:
     return d
 
 
-ME = M.service_user("dspark-no-such-user", under_unit=False)
+ME = U.service_user("dspark-no-such-user", under_unit=False)
 
 
 def test_whole_model_directory(tmp_path):
@@ -230,7 +231,7 @@ def open_tmp():
 
 
 def test_a_directory_above_that_others_cannot_enter(open_tmp):
-    stranger = M.ServiceUser("stranger", 4242, frozenset({4242}), "test")
+    stranger = U.ServiceUser("stranger", 4242, frozenset({4242}), "test")
     top = open_tmp / "private"
     top.mkdir(mode=0o700)
     (top / "f").write_text("x")
@@ -240,7 +241,7 @@ def test_a_directory_above_that_others_cannot_enter(open_tmp):
 
 def test_readable_by_follows_the_mode_bits(open_tmp):
     d = model(open_tmp)
-    stranger = M.ServiceUser("stranger", 4242, frozenset({4242}), "test")
+    stranger = U.ServiceUser("stranger", 4242, frozenset({4242}), "test")
     os.chmod(d / "tokenizer.json", 0o600)  # owner only: the stranger cannot read it
     c = by_name(M.check_model_dir(str(d), None, stranger)[0])["model.readable"]
     assert c.status == "fail" and "tokenizer.json" in c.seen and "a+rX" in c.fix
@@ -250,14 +251,14 @@ def test_readable_by_follows_the_mode_bits(open_tmp):
     assert why is not None and "enter" in why
     os.chmod(d, 0o755)
     assert M.readable_by(d / "config.json", stranger) is None
-    group = M.ServiceUser("grouped", 4243, frozenset({os.stat(d).st_gid}), "test")
+    group = U.ServiceUser("grouped", 4243, frozenset({os.stat(d).st_gid}), "test")
     os.chmod(d / "config.json", 0o640)
     assert M.readable_by(d / "config.json", group) is None
     assert M.readable_by(d / "config.json", stranger) is not None
 
 
 def test_service_user_falls_back_to_this_process():
-    u = M.service_user("dspark-no-such-user", under_unit=False)
+    u = U.service_user("dspark-no-such-user", under_unit=False)
     assert u.uid == os.getuid() and "no 'dspark-no-such-user' user here" in u.why
-    u = M.service_user("root", under_unit=False)
+    u = U.service_user("root", under_unit=False)
     assert u.uid == 0 and u.why == "the units' user"

@@ -12,17 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as C
+from dspark.config.schema import ConfigError, NodeConfig
+from dspark.config import validate as C
 from dspark.preflight import Host, run
 from dspark.preflight import net as N
 
 ADDR = "192.168.100.10"
 
 
-def node(**kw) -> C.NodeConfig:
+def node(**kw) -> NodeConfig:
     base = {"name": "spark-a", "rank": 0, "address": ADDR, "socket_ifname": "fab0"}
     base.update(kw)
-    return C.NodeConfig(**base)
+    return NodeConfig(**base)
 
 
 def write(path: Path, text: str) -> None:
@@ -163,11 +164,11 @@ def test_allow_default_route_is_validated():
     base = {"model": {"path": "/m"}, "nodes": [
         {"name": "a", "rank": 0, "address": "10.0.0.1", "allow_default_route": True},
         {"name": "b", "rank": 1, "address": "10.0.0.2", "allow_default_route": "yes"}]}
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         C.from_dict(base)
     assert any("allow_default_route: expected true or false" in p for p in e.value.problems)
     base["nodes"][1]["allow_default_route"] = False
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         C.from_dict(base)
     assert any("no socket_ifname is set" in p for p in e.value.problems)
     base["nodes"][0]["socket_ifname"] = "eth0"

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark import states as S
-from dspark.agent import Agent
-from dspark.local import LocalError, LocalPorts, prepare, up
-from dspark.local_model import TINY_MODEL
+from dspark.config.schema import Cluster, NodeConfig, ServingConfig
+from dspark.config.template import dumps
+from dspark.config import validate as C
+from dspark.node import states as S
+from dspark.node.agent import Agent
+from dspark.local.appliance import LocalError, LocalPorts, prepare, up
+from dspark.local.model import TINY_MODEL
 from dspark.preflight import Host
 from dspark.preflight import peer as P
 from dspark_cli import invoke_dspark
@@ -32,7 +34,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def cluster(tmp_path: Path, head_agent: int, worker_agent: int, **head) -> C.Cluster:
+def cluster(tmp_path: Path, head_agent: int, worker_agent: int, **head) -> Cluster:
     path = tmp_path / "cluster.toml"
     (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_MODEL))
@@ -41,7 +43,7 @@ def cluster(tmp_path: Path, head_agent: int, worker_agent: int, **head) -> C.Clu
             "nodes": [{"name": "h", "rank": 0, "address": "127.0.0.1", "agent_port": head_agent,
                        "api_host": "127.0.0.1", "api_port": free_port(), "master_port": free_port(), **head},
                       {"name": "w", "rank": 1, "address": "127.0.0.2", "agent_port": worker_agent}]}
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return C.load(path)
 
 
@@ -79,7 +81,7 @@ def test_port_held_by_this_nodes_own_agent(tmp_path):
         assert got.status == "ok" and "this node's own" in got.seen
         # The same port held by an agent answering as another node is not ours.
         c2 = cluster(tmp_path, port, free_port())
-        other = C.NodeConfig(name="x", rank=0, address="127.0.0.1", agent_port=port)
+        other = NodeConfig(name="x", rank=0, address="127.0.0.1", agent_port=port)
         assert P.own_agent_state(other) is None
         assert by_name(P.check_ports(c2, c2.head, Path("/proc"), None))["port.agent"].status == "fail"
     finally:
@@ -142,7 +144,7 @@ def test_identity_of_this_checkout(tmp_path):
     assert ident["vllm_version"].startswith("0.28.0")  # the venv's real vLLM CPU build
     assert len(ident["vllm_sources_sha256"]) == 64 and ident["vllm_sources_files"] > 1000
     assert P.local_identity(c) == ident  # stable
-    c2 = C.Cluster(model=c.model, serving=C.ServingConfig(vllm_command=["/nonexistent/vllm"]), nodes=c.nodes,
+    c2 = Cluster(model=c.model, serving=ServingConfig(vllm_command=["/nonexistent/vllm"]), nodes=c.nodes,
                    source=c.source)
     assert "error" in P.runtime_identity(c2.serving.vllm_command)
 
@@ -310,10 +312,11 @@ def test_prepare_of_local_still_validates(tmp_path):
 
 
 def test_node_units_run_the_check_before_vllm():
-    from dspark import units as U
+    from dspark.units.render import render_units
+    from dspark.units.names import HEAD, WORKER
 
-    units = U.render_units("/usr/bin/dspark")
-    for name, role in ((U.WORKER, "worker"), (U.HEAD, "head")):
+    units = render_units("/usr/bin/dspark")
+    for name, role in ((WORKER, "worker"), (HEAD, "head")):
         [start] = [line for line in units[name].splitlines() if line.startswith("ExecStart=")]
         assert start == f"ExecStart=/usr/bin/dspark serve --check --state-dir %S/dspark/{role}"
         assert "RestartPreventExitStatus=2" in units[name]  # a refused start is not retried

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from standin_lib import STANDIN, write_cluster
 
-from dspark import config as C
-from dspark.local_model import TINY_MODEL
+from dspark.config.template import dumps
+from dspark.local.model import TINY_MODEL
 from dspark.preflight import perms
-from dspark.preflight.model_dir import ServiceUser
+from dspark.units.user import ServiceUser
 from dspark_cli import invoke_dspark
 
 
@@ -26,7 +26,7 @@ def setup(tmp_path: Path, **serving) -> Path:
     (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_MODEL))
     data = tomllib.loads(path.read_text())
     data["serving"].update(load_format="dummy", **serving)
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return path
 
 

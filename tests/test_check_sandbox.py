@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dspark import config as C
+from dspark.config import validate as C
 from dspark.preflight import Host, run
 from dspark.preflight import host as H
 

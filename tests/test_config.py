@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 
 from dspark_cli import invoke_dspark
-from dspark import config as C
+from dspark.config.template import template
+from dspark.config.schema import ConfigError, ServingConfig
+from dspark.config import validate as C
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cluster-two-node.toml"
 
@@ -16,7 +18,7 @@ def good() -> dict:
 
 
 def problems(data: dict) -> list[str]:
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         C.from_dict(data, "test.toml")
     return e.value.problems
 
@@ -64,7 +66,7 @@ def test_placeholders_refused_naming_each_field():
 
 
 def test_template_is_refused_until_filled_in_and_then_accepted(tmp_path):
-    text = C.template()
+    text = template()
     assert text.count("# ") > 20  # every field carries its help text
     p = problems(tomllib.loads(text))
     assert len(p) == 9 and all("CHANGEME" in x for x in p)
@@ -73,7 +75,7 @@ def test_template_is_refused_until_filled_in_and_then_accepted(tmp_path):
     filled = filled.replace('address = "CHANGEME"', 'address = "10.0.0.1"', 1).replace(
         'address = "CHANGEME"', 'address = "10.0.0.2"', 1).replace('"CHANGEME"', '"eth1"')
     c = C.from_dict(tomllib.loads(filled))
-    assert c.serving == C.ServingConfig()  # the template writes exactly the defaults
+    assert c.serving == ServingConfig()  # the template writes exactly the defaults
 
 
 @pytest.mark.parametrize("mutate, expected", [
@@ -103,7 +105,7 @@ def test_contradictions_and_type_errors_refused(mutate, expected):
 def test_node_by_name_and_unknown_name():
     c = C.from_dict(good())
     assert c.node("spark-b").rank == 1
-    with pytest.raises(C.ConfigError, match="no node named 'nope'.*spark-a, spark-b"):
+    with pytest.raises(ConfigError, match="no node named 'nope'.*spark-a, spark-b"):
         c.node("nope")
 
 

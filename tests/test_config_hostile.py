@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark.render import render
+from dspark.config.schema import ConfigError, NodeConfig, ServingConfig, SupervisorConfig
+from dspark.config.template import dumps
+from dspark.config import validate as C
+from dspark.node.launch import render
 from dspark_cli import invoke_dspark
 from pairlib import run_dspark
 
@@ -28,7 +30,7 @@ def good() -> dict:
 
 def write(tmp_path: Path, data: dict) -> Path:
     path = tmp_path / "cluster.toml"
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return path
 
 
@@ -43,7 +45,7 @@ def refused(path: Path, needle: str, timeout: float | None = None) -> str:
 
 
 # ------------------------------------------------------------------- item 1: finite ranges
-FLOAT_FIELDS = [(section, f.name) for section, cls in (("serving", C.ServingConfig), ("supervisor", C.SupervisorConfig))
+FLOAT_FIELDS = [(section, f.name) for section, cls in (("serving", ServingConfig), ("supervisor", SupervisorConfig))
                 for f in dataclasses.fields(cls) if "float" in str(f.type)]
 
 
@@ -52,18 +54,18 @@ FLOAT_FIELDS = [(section, f.name) for section, cls in (("serving", C.ServingConf
 def test_every_float_field_is_finite_and_in_range(section, name, value):
     data = good()
     data.setdefault(section, {})[name] = value
-    cls = C.ServingConfig if section == "serving" else C.SupervisorConfig
+    cls = ServingConfig if section == "serving" else SupervisorConfig
     meta = next(f for f in dataclasses.fields(cls) if f.name == name).metadata
     if value == 0.0 and meta["bounds"][0] == 0 and not meta["positive"]:  # a field whose declared range starts at 0 (drain_s: 0 aborts at once)
         assert getattr(getattr(C.from_dict(data, "t.toml"), section), name) == 0.0
         return
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         C.from_dict(data, "t.toml")
     assert any(p.startswith(f"{section}.{name}: must be") for p in e.value.problems), e.value.problems
 
 
 def test_ranges_cover_every_number_field():
-    for cls in (C.ServingConfig, C.SupervisorConfig, C.NodeConfig):
+    for cls in (ServingConfig, SupervisorConfig, NodeConfig):
         for f in dataclasses.fields(cls):
             if ("int" in str(f.type) or "float" in str(f.type)) and not f.name.endswith("_port"):
                 assert f.metadata.get("bounds"), f"{cls.__name__}.{f.name} has no declared range"
@@ -141,7 +143,7 @@ def test_secret_env_refused_in_shared_and_node_env(tmp_path, key):
 
 
 def test_the_policy_leaves_ordinary_names_alone():
-    from dspark.secret_policy import is_secret_env, is_secret_flag
+    from dspark.config.secret_policy import is_secret_env, is_secret_flag
 
     for name in ("TOKENIZERS_PARALLELISM", "NCCL_IB_HCA", "PYTORCH_CUDA_ALLOC_CONF", "VLLM_KEY_CACHE", "KEYS"):
         assert not is_secret_env(name), name
@@ -152,14 +154,14 @@ def test_the_policy_leaves_ordinary_names_alone():
 
 
 def test_redaction_covers_the_equals_form():
-    from dspark.secret_policy import REDACTED, redact_args
+    from dspark.config.secret_policy import REDACTED, redact_args
 
     assert redact_args(["--api-key=sk-1", "--hf-token", "hf_x", "--max-num-batched-tokens", "8192"]) == \
         [f"--api-key={REDACTED}", "--hf-token", REDACTED, "--max-num-batched-tokens", "8192"]
 
 
 def test_bench_report_settings_never_hold_a_secret():
-    from dspark.bench.cli import cluster_settings
+    from dspark.cli.bench import cluster_settings
 
     c = C.from_dict(good())
     c = dataclasses.replace(c, serving=dataclasses.replace(c.serving, extra_args=["--api-key=sk-1", "--x"]))
@@ -183,7 +185,7 @@ def test_deeply_nested_file(tmp_path, text):
 
 def test_dev_zero_and_directories(tmp_path):
     refused(Path("/dev/zero"), "not a regular file")
-    with pytest.raises(C.ConfigError, match="not a regular file"):
+    with pytest.raises(ConfigError, match="not a regular file"):
         C.load(tmp_path)  # the CLI's --config already refuses a directory
 
 
@@ -223,7 +225,7 @@ def test_ipv6_address_with_gid_index_auto(tmp_path):
                                    "unicode é ✓", "'single'"])
 def test_toml_writer_round_trips_every_string(value):
     data = {"model": {"path": value, "served_name": "m"}, "serving": {"env": {"K": value, "odd key.x": value}}}
-    assert tomllib.loads(C.dumps(data)) == data
+    assert tomllib.loads(dumps(data)) == data
 
 
 def test_render_output_never_runs_anything_but_vllm(tmp_path):

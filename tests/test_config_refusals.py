@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dspark import config as C
-from dspark.cli import main
+from dspark.config.schema import Cluster, ConfigError, GIB, ModelConfig, NodeConfig
+from dspark.config.template import dumps, template
+from dspark.config import validate as C
+from dspark.cli.main import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cluster-two-node.toml"
 WILDCARDS = ("0.0.0.0", "::")
@@ -34,7 +36,7 @@ def invoke(*args: str, env: dict | None = None):
 
 def config_check(tmp_path: Path, data: dict):
     path = tmp_path / "cluster.toml"
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return path, invoke("config", "check", "--config", str(path))
 
 
@@ -179,7 +181,7 @@ def test_near_misses_still_pass(tmp_path, mutate):
 def test_the_api_binds_the_fabric_address_unless_told_otherwise(tmp_path):
     """The template writes no wildcard bind for the head; a file without api_host binds the
     head's fabric address (and `render` says so)."""
-    head = tomllib.loads(C.template())["nodes"][0]
+    head = tomllib.loads(template())["nodes"][0]
     assert head.get("api_host") not in WILDCARDS, head
     data = good()
     assert "api_host" not in data["nodes"][0]
@@ -204,7 +206,7 @@ def _local_head(tmp_path: Path, api_host: str | None) -> Path:
     data = {"model": {"path": str(tmp_path / "no-model"), "served_name": "m"},
             "serving": {"tensor_parallel_size": 1, "vllm_command": ["/nonexistent/vllm"]}, "nodes": [node]}
     path = tmp_path / "cluster.toml"
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return path
 
 
@@ -259,17 +261,17 @@ def _timed(out: list[float]):
 
 def _validate_s(data: dict) -> float:
     took: list[float] = []
-    with _timed(took), pytest.raises(C.ConfigError):  # ranks above 1023 are refused, one line per node
+    with _timed(took), pytest.raises(ConfigError):  # ranks above 1023 are refused, one line per node
         C.from_dict(data)
     return took[0]
 
 
-def _nodes_only(n: int) -> C.Cluster:
-    return C.Cluster(model=C.ModelConfig(path="/m"), nodes=tuple(
-        C.NodeConfig(name=f"n{i}", rank=i, address=f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}") for i in range(n)))
+def _nodes_only(n: int) -> Cluster:
+    return Cluster(model=ModelConfig(path="/m"), nodes=tuple(
+        NodeConfig(name=f"n{i}", rank=i, address=f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}") for i in range(n)))
 
 
-def _check_s(cluster: C.Cluster) -> float:
+def _check_s(cluster: Cluster) -> float:
     took: list[float] = []
     with _timed(took):
         assert C.check(cluster)  # ranks above 1023 and the parallel sizes are refused
@@ -295,10 +297,10 @@ def test_validation_is_linear_in_the_node_count():
 def test_every_flag_render_writes_is_owned():
     """DSPARK_FLAGS (what extra_args may not set) holds every option render writes from the
     fields, on the head and on a worker, with every optional field set."""
-    from dspark.render import vllm_argv
+    from dspark.node.launch import vllm_argv
 
     data = good()
-    data["serving"].update(kv_cache_memory_bytes=8 * C.GIB, load_format="dummy", skip_tokenizer_init=True,
+    data["serving"].update(kv_cache_memory_bytes=8 * GIB, load_format="dummy", skip_tokenizer_init=True,
                            max_cudagraph_capture_size=72, extra_args=[])
     c = C.from_dict(data)
     for node in c.nodes:

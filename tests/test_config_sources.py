@@ -13,9 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from dspark_cli import invoke_dspark
-from dspark import config as C
-from dspark import graph_dispatch as G
-from dspark.render import render
+from dspark.config.schema import Cluster, ConfigError, ModelConfig, NodeConfig, SEED_ENV, ServingConfig
+from dspark.config.template import template
+from dspark.config import validate as C
+from dspark.engine import graph_dispatch as G
+from dspark.node.launch import render
 
 K = 5  # DSpark's speculative tokens in the template: 6 verify rows per request
 MULTIPLES_OF_6 = list(range(6, 73, 6))
@@ -25,7 +27,7 @@ TEMPLATE_SIZES = sorted(MULTIPLES_OF_6 + [5, 35])
 
 
 def filled_template(tmp_path):
-    text = (C.template().replace('"/var/lib/dspark/models/CHANGEME"', '"/models/dsv4"')
+    text = (template().replace('"/var/lib/dspark/models/CHANGEME"', '"/models/dsv4"')
             .replace('"CHANGEME-head-hostname"', '"a"').replace('"CHANGEME-worker-hostname"', '"b"'))
     text = text.replace('address = "CHANGEME"', 'address = "10.0.0.1"', 1).replace(
         'address = "CHANGEME"', 'address = "10.0.0.2"', 1).replace('"CHANGEME"', '"eth1"')
@@ -48,10 +50,10 @@ def flags(argv: list[str]) -> dict[str, list[str]]:
 
 
 def test_every_serving_default_in_the_template_names_its_source():
-    fields = {f.name: f for f in dataclasses.fields(C.ServingConfig)}
+    fields = {f.name: f for f in dataclasses.fields(ServingConfig)}
     assert all(f.metadata.get("source") for f in fields.values()), \
         [n for n, f in fields.items() if not f.metadata.get("source")]
-    serving = C.template().split("[serving]\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    serving = template().split("[serving]\n", 1)[1].split("\n\n", 1)[0].splitlines()
     keys = [i for i, line in enumerate(serving) if not line.startswith("#")]
     assert keys, serving
     for i in keys:
@@ -65,7 +67,7 @@ def test_every_serving_default_in_the_template_names_its_source():
 
 
 def test_template_says_what_it_leaves_unset_and_why():
-    text = C.template()
+    text = template()
     head = text.split("[model]", 1)[0]
     assert "VLLM_SHM_BROADCAST_BUSY_LOOP_S" in head and "MiaAI-Lab PR #71" in head and "0.002 s applies" in head
     # The capture sizes follow max_num_seqs and the speculative tokens: shown, not written.
@@ -95,34 +97,34 @@ def test_rendered_template_carries_the_gb10_defaults(tmp_path):
 
 
 def test_capture_sizes_follow_the_verify_rows_and_the_operator():
-    s = C.ServingConfig()
+    s = ServingConfig()
     assert s.capture_sizes == TEMPLATE_SIZES
-    assert C.ServingConfig(max_num_seqs=6).capture_sizes == [5, *range(6, 37, 6)]
-    assert C.ServingConfig(max_cudagraph_capture_size=36).capture_sizes == [5, 6, 12, 18, 24, 30, 35, 36]
+    assert ServingConfig(max_num_seqs=6).capture_sizes == [5, *range(6, 37, 6)]
+    assert ServingConfig(max_cudagraph_capture_size=36).capture_sizes == [5, 6, 12, 18, 24, 30, 35, 36]
     # 13 requests: 65 draft tokens, which no multiple of 6 up to 78 rounds to (it ran eager).
-    assert C.ServingConfig(max_num_seqs=13).capture_sizes == sorted([*range(6, 79, 6), 5, 35, 65])
+    assert ServingConfig(max_num_seqs=13).capture_sizes == sorted([*range(6, 79, 6), 5, 35, 65])
     # Another method's draft is not DSpark's: the verify rows alone.
-    assert C.ServingConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3}).capture_sizes \
+    assert ServingConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3}).capture_sizes \
         == list(range(4, 49, 4))
-    assert C.ServingConfig(cudagraph_capture_sizes=[12, 6, 6]).capture_sizes == [6, 12]
+    assert ServingConfig(cudagraph_capture_sizes=[12, 6, 6]).capture_sizes == [6, 12]
     # Without speculative decoding vLLM's own list is left alone.
-    plain = C.ServingConfig(speculative_config=None)
+    plain = ServingConfig(speculative_config=None)
     assert plain.capture_sizes is None
     assert flags(render(_cluster(plain), _cluster(plain).head).argv)["--max-cudagraph-capture-size"] == ["12"]
 
 
-def _cluster(serving: C.ServingConfig) -> C.Cluster:
-    return C.Cluster(model=C.ModelConfig(path="/m"), serving=serving,
-                     nodes=(C.NodeConfig(name="a", rank=0, address="10.0.0.1"),
-                            C.NodeConfig(name="b", rank=1, address="10.0.0.2")))
+def _cluster(serving: ServingConfig) -> Cluster:
+    return Cluster(model=ModelConfig(path="/m"), serving=serving,
+                     nodes=(NodeConfig(name="a", rank=0, address="10.0.0.1"),
+                            NodeConfig(name="b", rank=1, address="10.0.0.2")))
 
 
 def test_capture_sizes_that_leave_a_decode_batch_without_a_full_graph_are_refused(tmp_path):
-    """A user's list or largest size is judged by dspark.graph_dispatch (proven against vLLM's
+    """A user's list or largest size is judged by dspark.engine.graph_dispatch (proven against vLLM's
     own managers in tests/overlay/test_graph_grid.py): one line naming the field, the batches,
     the mode they fall to on which release, and the fix; the fix itself passes."""
     def problems(**serving):
-        return [x for x in C.check(_cluster(C.ServingConfig(**serving))) if "FULL CUDA graph" in x]
+        return [x for x in C.check(_cluster(ServingConfig(**serving))) if "FULL CUDA graph" in x]
 
     # Before the fix dspark itself rendered this list for 13 requests: the draft's last batch
     # (65 tokens) ran eager.
@@ -169,15 +171,15 @@ def test_capture_sizes_that_leave_a_decode_batch_without_a_full_graph_are_refuse
 
 
 def test_contradicting_settings_are_refused_before_vllm_refuses_them():
-    p = C.check(_cluster(C.ServingConfig(max_model_len=512)))
+    p = C.check(_cluster(ServingConfig(max_model_len=512)))
     assert any(x.startswith("serving.long_prefill_token_threshold: 1024 is above max_model_len") for x in p)
-    p = C.check(_cluster(C.ServingConfig(cudagraph_capture_sizes=[6, 12], max_cudagraph_capture_size=36)))
+    p = C.check(_cluster(ServingConfig(cudagraph_capture_sizes=[6, 12], max_cudagraph_capture_size=36)))
     assert any(x.startswith("serving.max_cudagraph_capture_size: 36 differs") for x in p)
-    p = C.check(_cluster(C.ServingConfig(cudagraph_capture_sizes=[6, 0])))
+    p = C.check(_cluster(ServingConfig(cudagraph_capture_sizes=[6, 0])))
     assert any(x.startswith("serving.cudagraph_capture_sizes: must be a whole number in [1,") for x in p), p
     assert any(x.startswith("serving.cudagraph_capture_sizes: must list at least one size")
-               for x in C.check(_cluster(C.ServingConfig(cudagraph_capture_sizes=[]))))
-    with pytest.raises(C.ConfigError, match="expected a list of whole numbers"):
+               for x in C.check(_cluster(ServingConfig(cudagraph_capture_sizes=[]))))
+    with pytest.raises(ConfigError, match="expected a list of whole numbers"):
         C.from_dict({"model": {"path": "/m"}, "serving": {"cudagraph_capture_sizes": ["6"]},
                      "nodes": [{"name": "a", "rank": 0, "address": "10.0.0.1"}]})
 
@@ -279,7 +281,7 @@ def test_every_verify_batch_replays_a_full_graph_at_its_own_size(vllm):
     assert got[1] == ("FULL", 6)  # one request's 6 rows already had a graph of their own
 
     # After: the template's sizes; every batch of 1..12 requests replays FULL, unpadded.
-    sizes = C.ServingConfig().capture_sizes
+    sizes = ServingConfig().capture_sizes
     after_sizes, after = _vllm_capture_sizes({"cudagraph_capture_sizes": sizes})
     assert after_sizes == sizes == TEMPLATE_SIZES and after.max_cudagraph_capture_size == 72
     assert _decode_dispatch(after) == {n: ("FULL", 6 * n) for n in range(1, 13)}
@@ -300,4 +302,4 @@ def test_vllm_turns_breakable_graphs_on_for_deepseek_v4_unless_the_variable_is_s
     rule = re.search(r'"VLLM_USE_BREAKABLE_CUDAGRAPH" not in os\.environ(.*?)'
                      r'os\.environ\["VLLM_USE_BREAKABLE_CUDAGRAPH"\] = "1"', src, re.S)
     assert rule and '"DeepseekV4ForCausalLM"' in rule.group(1)
-    assert C.SEED_ENV["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "0"
+    assert SEED_ENV["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "0"

@@ -18,12 +18,12 @@ import urllib.request
 
 import pytest
 
-from dspark import states as S
-from dspark import config as C
-from dspark import local as L
-from dspark.node_policy import EXIT_DIED, EXIT_OK, Events
-from dspark.vllm_facts import RUNNING
-from dspark.vllm_metrics import parse_samples
+from dspark.node import states as S
+from dspark.config import validate as C
+from dspark.local import appliance as L
+from dspark.node.policy import EXIT_DIED, EXIT_OK, Events
+from dspark.engine.facts import RUNNING
+from dspark.engine.metrics import parse_samples
 from test_no_orphans import run_of, wait_until
 from test_node_policy import agent, exit_of, good_probe, head_peer, kinds, policy, state_of, worker_peer
 

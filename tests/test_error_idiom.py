@@ -31,7 +31,7 @@ def test_an_unknown_command_is_a_usage_error():
 
 
 def test_a_registered_command_that_does_not_import_surfaces_its_import_error(monkeypatch):
-    from dspark.cli import LazyGroup
+    from dspark.cli.main import LazyGroup
 
     monkeypatch.setitem(LazyGroup.lazy, "broken", ("dspark._no_such_module_here", "broken", "A broken command."))
     with pytest.raises(ModuleNotFoundError, match="dspark._no_such_module_here"):
@@ -43,7 +43,7 @@ def test_a_registered_command_that_does_not_import_surfaces_its_import_error(mon
 
 @pytest.fixture
 def local_cluster(tmp_path):
-    from dspark.local import LocalPorts, prepare
+    from dspark.local.appliance import LocalPorts, prepare
 
     return prepare(tmp_path / "local", LocalPorts(api=1, master=2, agent=3))
 

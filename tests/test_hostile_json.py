@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from dspark import config as C
-from dspark.agent_client import fetch_state
+from dspark.config import validate as C
+from dspark.node.agent_client import fetch_state
 from dspark.dashboard import collector as DC
-from dspark.supervisor import EXIT_NEVER_READY
+from dspark.node.policy import EXIT_NEVER_READY
 from hostile import HostileServer, answer, send
 from dspark_cli import invoke_dspark
 from test_status_hostile import cluster_for, port

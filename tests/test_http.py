@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from dspark import http
+from dspark.net import http
 from hostile import HostileServer, answer, endless, redirect
 from hostile_http import bomb_handler, gzip_gzip_bomb, hostile
 

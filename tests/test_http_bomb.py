@@ -3,7 +3,7 @@ head a byte at a time (issue 33, items 5 and 6).
 
 Each caller runs in a process of its own, as it does in use: `dspark status`, `dspark bench
 prefill`, the bench's streamed completion, the dashboard's collector, the head's poll of its
-peers' agents (dspark.probes.poll_agents, what its supervisor runs each round of the
+peers' agents (dspark.node.probes.poll_agents, what its supervisor runs each round of the
 rendezvous) and the head's real supervisor (`dspark serve`) waiting for a hostile worker. The
 process's wall time and peak RSS (its VmHWM) are measured: the bomb is refused without being
 inflated, the trickle ends at the caller's deadline.
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark.node_policy import EXIT_NEVER_READY
+from dspark.config.template import dumps
+from dspark.config import validate as C
+from dspark.node.policy import EXIT_NEVER_READY
 from hostile import HostileServer
 from hostile_http import gzip_gzip_bomb, gzip_of_zeros, hostile, inflate
 from standin_lib import write_cluster
@@ -141,7 +142,7 @@ def test_status(tmp_path, bomb, attack):
                            "api_port": port(api), "agent_port": port(head)},
                           {"name": "w", "rank": 1, "address": "127.0.0.2", "agent_port": port(worker)}]}
         path = tmp_path / "cluster.toml"
-        path.write_text(C.dumps(data))
+        path.write_text(dumps(data))
         ran = run_child(cli("status", "--config", str(path), "--json"), tmp_path)
     check(ran, attack, 3 * 2.0, "dspark status")
     assert ran.rc == 1
@@ -196,7 +197,7 @@ def test_dashboard_collector(tmp_path, bomb, attack):
 def test_head_polling_its_peer(tmp_path, bomb, attack):
     """What the head's supervisor runs each round of the rendezvous (poll_agents, 1 s)."""
     with hostile(attack, bomb, PATHS, hosts=("127.0.0.2",)) as (worker,):
-        code = ("from dspark.probes import poll_agents\n"
+        code = ("from dspark.node.probes import poll_agents\n"
                 f"a = poll_agents({{'w': {worker.url!r}}}, timeout=1.0)['w']\n"
                 "print(a.state, a.refused, a.error)\n")
         ran = run_child(code, tmp_path)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dspark.agent import Agent
+from dspark.node.agent import Agent
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
@@ -20,7 +20,7 @@ SNAP = {"node": "n", "rank": 0, "role": "head", "state": "serving", "restarts": 
 @pytest.fixture(params=["agent", "dashboard"])
 def server(request, monkeypatch):
     try:
-        import dspark.http_server as H
+        import dspark.net.server as H
     except ImportError:  # an old tree: no bounded server at all
         H = None
     if H is not None:
@@ -76,7 +76,7 @@ def test_an_idle_connection_is_closed_after_the_socket_timeout(server):
 
 
 def test_a_flood_of_idle_connections_holds_a_bounded_number_of_threads(server):
-    MAX_CONNECTIONS = 32  # dspark.http_server.MAX_CONNECTIONS (the test must run before it existed too)
+    MAX_CONNECTIONS = 32  # dspark.net.server.MAX_CONNECTIONS (the test must run before it existed too)
 
     before = threading.active_count()
     socks = [connect(server) for _ in range(3 * MAX_CONNECTIONS)]

@@ -1,4 +1,4 @@
-"""The package's layers point down: nothing imports the root command line (`dspark.cli`) but
+"""The package's layers point down: nothing imports the root command line (`dspark.cli.main`) but
 the entry point, and the dspark modules' import graph has no cycle.
 
 The graph is read from the source with `ast`: every import, at module level or inside a
@@ -106,10 +106,10 @@ def test_the_graph_is_read():
     """The reader sees the edges it must: a module-level one, a function-level one, a relative
     `from . import submodule` and a `from .. import name` resolved to the package."""
     graph = import_graph()
-    assert "dspark.cli" in graph["dspark.__main__"]  # inside main()
-    assert "dspark.states" in graph["dspark.agent_client"]  # module level
-    assert "dspark.vllm_facts" in graph["dspark.bench.client"]  # from .. import vllm_facts as F
-    assert "dspark.plan.fit" in graph["dspark.plan"]  # the package's own re-exports
+    assert "dspark.cli.main" in graph["dspark.__main__"]  # inside main()
+    assert "dspark.node.states" in graph["dspark.node.agent_client"]  # module level
+    assert "dspark.engine.facts" in graph["dspark.bench.client"]  # from .. import vllm_facts as F
+    assert "dspark.plan.fit" in graph["dspark.plan.from_cluster"]  # inside a function
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -119,8 +119,55 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_nothing_imports_the_root_command_line():
     graph = import_graph()
-    importers = sorted(m for m, deps in graph.items() if "dspark.cli" in deps and m != "dspark.__main__")
-    assert importers == [], f"these modules import dspark.cli (move the helper they need down): {importers}"
+    importers = sorted(m for m, deps in graph.items() if "dspark.cli.main" in deps and m != "dspark.__main__")
+    assert importers == [], f"these modules import dspark.cli.main (move the helper they need down): {importers}"
+
+
+# The packages from the bottom up; a package imports only those in layers below its own (and the
+# root package, for __version__). CONTRIBUTING.md says what each holds.
+LAYERS = [
+    {"log"},
+    {"files"},
+    {"engine", "lines", "net"},
+    {"config"},
+    {"plan", "units"},
+    {"node"},
+    {"bench", "dashboard", "monitoring", "preflight", "status"},
+    {"switch", "local"},
+    {"cli"},
+    {"__main__"},
+]
+
+
+def package_of(module: str) -> str:
+    """`dspark.node.supervisor` -> `node`; a top-level module is a package of its own."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "dspark"
+
+
+def test_every_package_has_a_layer():
+    packages = {package_of(m) for m in modules()} - {"dspark", "data"}  # data: vLLM loads its middleware
+    placed = set().union(*LAYERS)
+    assert packages == placed, f"not placed: {sorted(packages - placed)}; gone: {sorted(placed - packages)}"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    layer = {p: i for i, ps in enumerate(LAYERS) for p in ps}
+    return sorted((m, d) for m, deps in graph.items() for d in deps
+                  if package_of(m) != package_of(d) and package_of(d) != "dspark"
+                  and layer[package_of(d)] >= layer[package_of(m)])
+
+
+def test_packages_import_only_the_layers_below():
+    upward = upward_imports(import_graph())
+    assert upward == [], "imports of a package in the same layer or above:\n" + "\n".join(
+        f"{m} -> {d}" for m, d in upward)
+
+
+def test_the_layer_check_refuses_an_upward_or_sideways_import():
+    assert upward_imports({"dspark.node.supervisor": {"dspark.switch", "dspark.config.schema", "dspark"},
+                           "dspark.bench.client": {"dspark.status"}}) == [
+        ("dspark.bench.client", "dspark.status"), ("dspark.node.supervisor", "dspark.switch")]
 
 
 def test_no_import_cycle():
@@ -129,18 +176,18 @@ def test_no_import_cycle():
 
 
 def test_one_fail_helper():
-    """The commands end with an error through one helper (dspark.cli_common.fail): exit 2 for
+    """The commands end with an error through one helper (dspark.cli.common.fail): exit 2 for
     usage and config errors unless a runtime code is passed. (preflight.result.fail builds a
     failed check, it ends nothing: a helper here is a `fail` that raises.)"""
     defined = sorted(f"{m}.{n.name}" for m, path in modules().items()
                      for n in ast.walk(ast.parse(path.read_text()))
                      if isinstance(n, ast.FunctionDef) and n.name.lstrip("_") == "fail"
                      and any(isinstance(x, ast.Raise) for x in ast.walk(n)))
-    assert defined == ["dspark.cli_common.fail"]
+    assert defined == ["dspark.cli.common.fail"]
 
 
-COMMAND_MODULES = {"dspark.units_cli", "dspark.bench.cli", "dspark.dashboard.cli", "dspark.preflight.cli",
-                   "dspark.switch_cli", "dspark.local_cli"}
+COMMAND_MODULES = {"dspark.cli.units", "dspark.cli.bench", "dspark.cli.dashboard", "dspark.cli.check",
+                   "dspark.cli.switch", "dspark.cli.local"}
 
 
 def test_no_module_imports_a_command_module():
@@ -156,7 +203,7 @@ def test_the_registry_names_the_command_modules_and_they_import():
     ImportError there now surfaces when the command runs, so it is caught here first)."""
     import importlib
 
-    from dspark.cli import LazyGroup, LocalGroup
+    from dspark.cli.main import LazyGroup, LocalGroup
 
     registered = {module for group in (LazyGroup, LocalGroup) for module, _, _ in group.lazy.values()}
     assert registered == COMMAND_MODULES

@@ -1,5 +1,5 @@
 """The pieces of a runtime-line switch that need no pair: the cluster file's line_commands
-(dspark.config), the line state a node keeps (dspark.line_state) and the switch's verdict
+(dspark.config.validate), the line state a node keeps (dspark.lines.state) and the switch's verdict
 (dspark.switch.judge) on real decode reports' shape."""
 
 from __future__ import annotations
@@ -8,16 +8,17 @@ import json
 
 import pytest
 
-from dspark import config as C
-from dspark import line_state as L
+from dspark.config.schema import Cluster, ConfigError
+from dspark.config import validate as C
+from dspark.lines import state as L
 from dspark.bench.report import DecodeLevel, Report
 from dspark.switch import judge, score
-from dspark.switch_history import table as history_table
+from dspark.lines.history import table as history_table
 
 A, B = "v0.28.0", "v0.32.0"
 
 
-def cluster(**serving) -> C.Cluster:
+def cluster(**serving) -> Cluster:
     return C.from_dict({"model": {"path": "/m"},
                         "serving": {"vllm_command": ["/a/bin/vllm"], "kv_cache_dtype": "auto", "moe_backend": "auto",
                                     **serving},
@@ -26,7 +27,7 @@ def cluster(**serving) -> C.Cluster:
 
 
 def refusals(**serving) -> str:
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         cluster(**serving)
     return "\n".join(e.value.problems)
 
@@ -36,7 +37,7 @@ def test_line_commands_name_each_installed_lines_command_and_on_line_picks_it():
     assert c.on_line(B).serving.vllm_command == ["/b/bin/vllm"] and c.on_line(B).serving.runtime_line == B
     assert c.on_line(A).serving.vllm_command == ["/a/bin/vllm"]
     assert cluster().on_line(A).serving.vllm_command == ["/a/bin/vllm"]  # the file's own line: vllm_command
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         cluster().on_line(B)
     assert "not installed" in e.value.problems[0] and B in e.value.problems[0]
 

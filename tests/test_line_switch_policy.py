@@ -1,4 +1,4 @@
-"""The node policy's part of a runtime-line switch (dspark.node_policy), on a fake clock: the
+"""The node policy's part of a runtime-line switch (dspark.node.policy), on a fake clock: the
 head leaves its line when its state says another (draining first when serving), a worker of the
 same cluster file follows its head's line, a failure during a switch holds the node (agent up,
 vLLM stopped) until the pair's line changes, and a pair of two different cluster files on two
@@ -6,9 +6,9 @@ lines is still refused. The real processes run the same policy in tests/test_swi
 
 import signal
 
-from dspark import states as S
-from dspark.agent_client import AgentAnswer
-from dspark.node_policy import EXIT_DIED, EXIT_NEVER_READY, EXIT_OK, EXIT_SWITCH, Events
+from dspark.node import states as S
+from dspark.node.agent_client import AgentAnswer
+from dspark.node.policy import EXIT_DIED, EXIT_NEVER_READY, EXIT_OK, EXIT_SWITCH, Events
 
 from test_node_policy import exit_of, good_probe, head_peer, kinds, policy, state_of, worker_peer
 

@@ -1,4 +1,4 @@
-"""The liveness policy (dspark.liveness) on its own, with a fake clock, and its parser on vLLM's
+"""The liveness policy (dspark.node.liveness) on its own, with a fake clock, and its parser on vLLM's
 real /metrics text. The supervisor runs it against a stand-in in test_supervisor.py and against
 the real local pair in test_liveness_pair.py."""
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.liveness import PROBE, PROGRESS, LivenessJudge, Progress, read_progress
+from dspark.node.liveness import PROBE, PROGRESS, LivenessJudge, Progress, read_progress
 
 FIXTURES = Path(__file__).parent / "dashboard" / "fixtures"
 

@@ -15,10 +15,10 @@ import urllib.request
 
 import pytest
 
-from dspark import config as C
-from dspark import local as L
-from dspark import vllm_facts as F
-from dspark.liveness import read_progress
+from dspark.config import validate as C
+from dspark.local import appliance as L
+from dspark.engine import facts as F
+from dspark.node.liveness import read_progress
 
 pytestmark = pytest.mark.pair
 

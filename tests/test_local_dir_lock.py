@@ -23,7 +23,8 @@ import pytest
 from pairlib import ROOT, dspark_cmd, kill_leftovers, pick_ports, run_dspark
 from standin_lib import STANDIN
 
-from dspark import local, runtime_lines
+from dspark.local import appliance as local
+from dspark.lines import runtime as runtime_lines
 
 READY = "Ctrl-C stops "
 DEADLINE_S = 180  # a loaded 2-core host: the stand-in pair serves in seconds, this is the ceiling
@@ -179,7 +180,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_saying_so(tmp_path):
     """take_dir as `local up` calls it, in a process that dies holding the lock (SIGKILL: no
     release), then in this one; and a lock held by a live process is refused with its PID."""
     workdir = tmp_path / "d"
-    code = ("import sys, time; from pathlib import Path; from dspark import local; "
+    code = ("import sys, time; from pathlib import Path; from dspark.local import appliance as local; "
             "local.take_dir(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(workdir)], stdout=subprocess.PIPE,
                               text=True)

@@ -2,7 +2,7 @@
 (the logs grew across runs). A real `dspark serve` spawned the way local up
 does, refused at once by a missing cluster file, writes the new log."""
 
-from dspark.local import Pair
+from dspark.local.appliance import Pair
 
 
 def test_each_run_starts_a_fresh_log_and_keeps_the_last_one(tmp_path):

@@ -1,4 +1,4 @@
-"""The local appliance's tiny model directory (dspark.local_model), proven through its callers:
+"""The local appliance's tiny model directory (dspark.local.model), proven through its callers:
 transformers' AutoTokenizer and vLLM's own tokenizer loader read it; and the real local pair
 (`dspark local up`, vLLM's CPU build at TP=2) answers text completions, chat completions (plain
 and streamed, through the OpenAI SDK), token-id prompts and `vllm bench serve --dataset-name
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark import local as L
-from dspark import local_model as M
+from dspark.config import validate as C
+from dspark.local import appliance as L
+from dspark.local import model as M
 
 VOCAB = M.TINY_MODEL["vocab_size"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello, how are you?"}]
@@ -69,7 +69,7 @@ def test_writes_are_byte_identical_and_fast(tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     assert took < 5, f"write() took {took:.2f} s of CPU"
     # Another process (its own hash seeds, its own thread pool) writes the same bytes.
-    code = f"from dspark import local_model as M; M.write({str(tmp_path / 'c')!r})"
+    code = f"from dspark.local import model as M; M.write({str(tmp_path / 'c')!r})"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
                    env={**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONHASHSEED": "12345"})
     for name in M.FILES:

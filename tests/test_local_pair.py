@@ -13,10 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pairlib import dspark_cmd, get_json, kill_leftovers, pick_ports, run_dspark
-from dspark import config as C
-from dspark import local as L
-from dspark import vllm_facts as F
-from dspark.vllm_log import SHUTDOWN_ABORT_LINE
+from dspark.config import validate as C
+from dspark.local import appliance as L
+from dspark.engine import facts as F
+from dspark.engine.log import SHUTDOWN_ABORT_LINE
 
 pytestmark = pytest.mark.pair
 

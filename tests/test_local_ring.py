@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 
 from pairlib import get_json, run_dspark
-from dspark import local as L
-from dspark import vllm_facts as F
+from dspark.local import appliance as L
+from dspark.engine import facts as F
 
 pytestmark = pytest.mark.pair
 

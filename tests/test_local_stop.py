@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from pairlib import dspark_cmd, pick_ports
 from test_local_dir_lock import Appliances, standin_line  # noqa: F401 (standin_line: a fixture)
 
-from dspark import config as C
-from dspark import local
+from dspark.config import validate as C
+from dspark.local import appliance as local
 
 
 def bound_of(workdir) -> float:

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from dspark import local, local_model
+from dspark.local import appliance as local, model as local_model
 
 CITIES = ["Paris", "Oslo"]
 TOOLS = [
@@ -68,12 +68,12 @@ def test_template_lists_tools_and_writes_calls_the_hermes_parser_reads(hf_tokeni
 
 
 def test_local_pair_args_turn_on_the_hermes_parser_and_the_gb10_defaults_keep_deepseek_v4(tmp_path):
-    from dspark import config as C
+    from dspark.config.schema import SEED_EXTRA_ARGS
 
     args = local.cluster_dict(tmp_path)["serving"]["extra_args"]
     i = args.index("--tool-call-parser")
     assert args[i + 1] == "hermes" and "--enable-auto-tool-choice" in args
-    seed = C.SEED_EXTRA_ARGS
+    seed = SEED_EXTRA_ARGS
     assert seed[seed.index("--tool-call-parser") + 1] == "deepseek_v4"
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pairlib import run_dspark
-from dspark import config as C
-from dspark import local as L
+from dspark.config import validate as C
+from dspark.local import appliance as L
 
 
 @pytest.mark.parametrize("nodes", ["0", "1", "3", "5", "8"])

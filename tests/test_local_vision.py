@@ -1,4 +1,4 @@
-"""The local appliance's tiny vision model (dspark.local_vision) and `dspark local up --vision`:
+"""The local appliance's tiny vision model (dspark.local.vision) and `dspark local up --vision`:
 the directory is the same bytes on every write; transformers' own Idefics3 loads its weights
 and runs them on an image, and its processor gives every image local_vision.IMAGE_TOKENS prompt
 tokens; a line whose vLLM does not serve it is refused before anything is written; and the real
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark import local as L
-from dspark import local_vision as V
-from dspark.render import vllm_argv
+from dspark.config import validate as C
+from dspark.local import appliance as L
+from dspark.local import vision as V
+from dspark.node.launch import vllm_argv
 from dspark_cli import invoke_dspark
 from pairlib import kill_leftovers, start_pair, vllm_groups
 
@@ -91,7 +91,7 @@ def test_writes_are_byte_identical_and_the_weights_are_pinned(tmp_path):
     took = time.process_time() - t0
     assert took < 10, f"write() took {took:.2f} s of CPU"
     # Another process (its own hash seeds, its own thread pool) writes the same bytes.
-    code = f"from dspark import local_vision as V; V.write({str(tmp_path / 'b')!r})"
+    code = f"from dspark.local import vision as V; V.write({str(tmp_path / 'b')!r})"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300,
                    env={**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONHASHSEED": "12345"})
     for name in V.FILES:
@@ -148,7 +148,7 @@ def test_an_image_of_any_size_is_image_tokens_prompt_tokens(processor, size):
 
 
 def test_string_content_renders_as_the_text_models_template(processor):
-    from dspark import local_model as M
+    from dspark.local import model as M
 
     chat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}]
     got = processor.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)

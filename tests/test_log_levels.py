@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dspark import log as L
-from dspark.supervisor import EXIT_DIED, EXIT_OK
+from dspark.node.policy import EXIT_DIED, EXIT_OK
 from pairlib import dspark_cmd
 from standin_lib import write_cluster
 
@@ -119,7 +119,7 @@ def test_serve_outside_the_journal_writes_the_same_lines_without_a_prefix(tmp_pa
 def test_the_units_leave_journald_reading_the_prefix():
     """SyslogLevelPrefix= is on by default: no unit dspark writes turns it off, and every unit
     that runs dspark sends its output to the journal (systemd's default: no StandardOutput=)."""
-    from dspark.unit_render import render_units
+    from dspark.units.render import render_units
 
     units = render_units("/usr/bin/dspark")
     assert any("dspark serve" in text or " serve" in text for text in units.values())

@@ -23,8 +23,8 @@ import pytest
 
 from dashboard.browser import wait_for
 from dashboard.helpers import DashboardProcess
-from dspark import local as L
-from dspark.vllm_process import group_members
+from dspark.local import appliance as L
+from dspark.node.vllm_process import group_members
 
 pytestmark = [pytest.mark.pair, pytest.mark.browser]
 

@@ -1,4 +1,4 @@
-"""The node policy (dspark.node_policy) on its own: a state machine driven by fake probe
+"""The node policy (dspark.node.policy) on its own: a state machine driven by fake probe
 results, fake peer answers and a fake clock, no process and no socket. The same policy runs
 in the real supervisor in test_supervisor.py, test_supervisor_signals.py and the pair tests."""
 
@@ -6,13 +6,11 @@ import signal
 
 import pytest
 
-from dspark import states as S
-from dspark.agent_client import AgentAnswer, is_lost
-from dspark.liveness import LivenessJudge, Progress, Verdict
-from dspark.node_policy import (
-    BACKOFF_STABLE_S, EXIT_DIED, EXIT_NEVER_READY, EXIT_OK, Events, Limits, NodePolicy, Peer,
-)
-from dspark.probes import ReadyProbe, Round
+from dspark.node import states as S
+from dspark.node.agent_client import AgentAnswer, is_lost
+from dspark.node.liveness import LivenessJudge, Progress, Verdict
+from dspark.node.policy import BACKOFF_STABLE_S, EXIT_DIED, EXIT_NEVER_READY, EXIT_OK, Events, Limits, NodePolicy, Peer
+from dspark.node.probes import ReadyProbe, Round
 
 API = "http://127.0.0.1:8000"
 
@@ -282,8 +280,8 @@ def test_a_round_still_running_delays_the_next_and_it_starts_as_soon_as_that_one
 def test_a_finished_background_probe_wakes_the_loop_at_once():
     import threading
 
-    from dspark.probes import Background
-    from dspark.signals import SignalQueue
+    from dspark.node.probes import Background
+    from dspark.node.signals import SignalQueue
 
     q = SignalQueue()
     bg = Background("t", q.wake)

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from dspark.notify import Notifier, child_env
+from dspark.node.notify import Notifier, child_env
 
 
 @pytest.fixture

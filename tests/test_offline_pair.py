@@ -249,7 +249,7 @@ seen = []
 sys.addaudithook(lambda event, args: seen.append((event, args[0])) if event in (
     "socket.gethostbyaddr", "socket.gethostbyname", "socket.getaddrinfo", "socket.getnameinfo") else None)
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from dspark.http_server import BoundedHTTPServer
+from dspark.net.server import BoundedHTTPServer
 plain = ThreadingHTTPServer(("127.0.0.2", 0), BaseHTTPRequestHandler)
 plain.server_close()
 print(seen[-1] if seen else None)
@@ -275,8 +275,8 @@ def test_vllm_is_started_with_usage_statistics_off(tmp_path):
     every 10 minutes unless VLLM_NO_USAGE_STATS, DO_NOT_TRACK or ~/.config/vllm/do_not_track
     says not to; the CPU worker never does, so the pair above cannot show it. Here vLLM's own
     is_usage_stats_enabled(), run in the environment dspark's VllmProcess gives vLLM."""
-    from dspark.render import Launch
-    from dspark.vllm_process import VllmProcess
+    from dspark.node.launch import Launch
+    from dspark.node.vllm_process import VllmProcess
 
     code = "from vllm.usage.usage_lib import is_usage_stats_enabled; print('enabled', is_usage_stats_enabled())"
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_DO_NOT_TRACK")}

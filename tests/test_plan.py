@@ -9,8 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from dspark import plan as plan_mod
-from dspark.plan import GiB, PlanError, PlanInputs, load_model_facts, make_plan
+from dspark.plan.facts import ModelFacts
+from dspark.plan.fit import Plan, plan_from_facts
+from dspark.plan.weights import _is_replicated
+from dspark.plan.facts import GiB, PlanError, load_model_facts
+from dspark.plan.inputs import PlanInputs
+from dspark.plan.fit import make_plan
+from dspark.plan.kv_layout import kv_layout
 
 from plan_fixtures import (
     PUBLISHED_PAYLOAD_BYTES,
@@ -41,13 +46,13 @@ def dsv4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dsv4_facts(dsv4: Path) -> plan_mod.ModelFacts:
+def dsv4_facts(dsv4: Path) -> ModelFacts:
     return load_model_facts(dsv4)
 
 
-def dsv4_plan(facts: plan_mod.ModelFacts, tp: int, **kw) -> plan_mod.Plan:
+def dsv4_plan(facts: ModelFacts, tp: int, **kw) -> Plan:
     settings = {**REF_SETTINGS, **kw}
-    return plan_mod.plan_from_facts(facts, PlanInputs(facts.model_dir, tp, **settings))
+    return plan_from_facts(facts, PlanInputs(facts.model_dir, tp, **settings))
 
 
 # ----------------------------------------------------------------- weights --
@@ -85,9 +90,10 @@ def test_reader_reads_headers_only(dsv4, monkeypatch):
 
     import contextlib
 
+    from dspark.files.safe_read import open_regular
     from dspark.plan import facts as plan_facts
 
-    real_open_regular = plan_facts.open_regular  # shards are opened through dspark.safe_read
+    real_open_regular = open_regular  # shards are opened through dspark.files.safe_read
 
     @contextlib.contextmanager
     def counting_open(path):
@@ -138,7 +144,7 @@ def test_tp2_fits_with_about_79_gib_per_rank(dsv4_facts):
 
 
 def test_replicated_tensors_follow_vllm_layer_types(dsv4_facts):
-    rep = lambda name: plan_mod._is_replicated(dsv4_facts, name)  # noqa: E731
+    rep = lambda name: _is_replicated(dsv4_facts, name)  # noqa: E731
     for name in ("layers.3.attn.wq_a.weight", "layers.3.attn.wkv.scale",
                  "layers.2.attn.indexer.wq_b.weight", "layers.2.attn.compressor.ape",
                  "layers.5.ffn.gate.weight", "layers.0.ffn.gate.tid2eid",
@@ -170,7 +176,7 @@ def test_dsv4_nvfp4_kv_bytes_per_token_from_the_584_byte_envelope(dsv4_facts):
 def test_dsv4_sliding_window_cache_is_bounded(dsv4_facts):
     # The sliding-window and compressor-state caches hold a bounded window per
     # request: only the compressed caches grow with the context.
-    layout = plan_mod.kv_layout(dsv4_facts, PlanInputs(dsv4_facts.model_dir, 2, **REF_SETTINGS))
+    layout = kv_layout(dsv4_facts, PlanInputs(dsv4_facts.model_dir, 2, **REF_SETTINGS))
     a, b = 400_000, 800_000
     grow = layout.blocks_per_request(b) - layout.blocks_per_request(a)
     assert grow == math.ceil(b / 256) - math.ceil(a / 256)
@@ -202,10 +208,10 @@ def test_dsv4_fp8_ds_mla_matches_vllm(dsv4_facts, max_len, kv, draft, blocks, to
         kv_cache_memory_bytes=kv, num_speculative_tokens=draft,
         usable_memory_bytes=1 << 50,
     )
-    plan = plan_mod.plan_from_facts(dsv4_facts, inputs)
+    plan = plan_from_facts(dsv4_facts, inputs)
     assert plan.kv_num_blocks == blocks
     assert plan.kv_tokens == tokens
-    layout = plan_mod.kv_layout(dsv4_facts, inputs)
+    layout = kv_layout(dsv4_facts, inputs)
     assert layout.bytes_needed_for_one_request(max_len) == need_one
     assert plan.fits == (need_one <= kv)
 
@@ -369,8 +375,8 @@ def test_concurrency_advice_names_the_batched_tokens_lever_not_fewer_seqs(dsv4_f
     tells the user to lower max_num_seqs (vLLM reserves nothing per admitted request)."""
     base = PlanInputs(dsv4_facts.model_dir, 2, num_speculative_tokens=5, kv_cache_dtype="nvfp4_ds_mla",
                       max_num_batched_tokens=8192, async_scheduling=True, max_num_seqs=16)
-    plan = plan_mod.plan_from_facts(dsv4_facts, base)
-    half = plan_mod.plan_from_facts(dsv4_facts, PlanInputs(**{**base.__dict__, "max_num_batched_tokens": 4096}))
+    plan = plan_from_facts(dsv4_facts, base)
+    half = plan_from_facts(dsv4_facts, PlanInputs(**{**base.__dict__, "max_num_batched_tokens": 4096}))
     assert plan.in_flight_tokens == 16384
     assert 1.9 < plan.admission_reserve_blocks / half.admission_reserve_blocks < 2.1
     assert plan.admission_reserve_bytes > 0

@@ -2,13 +2,16 @@
 
 import dataclasses
 
-from dspark import config as C
-from dspark.plan import PlanInputs, plan_inputs, serving_default
+from dspark.config.schema import ServingConfig
+from dspark.config import validate as C
+from dspark.plan.inputs import PlanInputs
+from dspark.plan.from_cluster import plan_inputs
+from dspark.plan.facts import serving_default
 
 
 def test_plan_inputs_default_to_the_config_defaults(tmp_path):
     defaults = PlanInputs(tmp_path, 2)
-    serving = {f.name: f.default for f in dataclasses.fields(C.ServingConfig)
+    serving = {f.name: f.default for f in dataclasses.fields(ServingConfig)
                if f.default is not dataclasses.MISSING}
     assert defaults.gpu_memory_utilization == serving["gpu_memory_utilization"] == 0.835
     assert defaults.max_model_len == serving["max_model_len"]

@@ -38,7 +38,7 @@ CI_BELOW = (0.98, 0.95)
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    from dspark.overlay import apply_series
+    from dspark.lines.overlay import apply_series
 
     overlay = pvs.overlay_conftest()
     copy_vllm_tree, installed_site_packages = overlay.copy_vllm_tree, overlay.installed_site_packages

@@ -1,7 +1,7 @@
 """The supervisor's probes go only to dspark's own vLLM (issue 33, item 3).
 
 A process that listens on the API port before vLLM binds it received the supervisor's probes,
-each with `Authorization: Bearer <key>`, and the head reported serving. dspark.port_owner reads
+each with `Authorization: Bearer <key>`, and the head reported serving. dspark.node.port_owner reads
 who listens on a port from /proc; VllmProbes, given the process group of the vLLM the supervisor
 started, sends nothing while the listener is another process's and says who holds the port.
 The listeners here are real processes on loopback: a recording HTTP server started in a process
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.port_owner import foreign_listener, listening_inodes
-from dspark.probes import VllmProbes
+from dspark.node.port_owner import foreign_listener, listening_inodes
+from dspark.node.probes import VllmProbes
 
 # A one-file HTTP server that answers 200 to anything and appends each request's path and
 # Authorization header to a file: what a port squatter would collect.
@@ -135,7 +135,7 @@ def test_a_head_whose_api_port_is_taken_sends_it_nothing(tmp_path, recorder, ser
     and exits): the squatter gets no request, so no key, and the head never reports serving."""
     from standin_lib import write_cluster
 
-    from dspark import config as C
+    from dspark.config import validate as C
 
     cluster = write_cluster(tmp_path)
     port = C.load(cluster).node("h").api_port

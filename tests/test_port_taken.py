@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from dspark.http_server import BoundedHTTPServer
+from dspark.net.server import BoundedHTTPServer
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The agent's /metrics (dspark.agent): a prometheus_client Collector registered once in the
+"""The agent's /metrics (dspark.node.agent): a prometheus_client Collector registered once in the
 agent's own registry reads the supervisor's snapshot at each scrape. Its metric names and labels
 are those the agent has always served (the dashboard and the pair tests read them); a node's
 memory, where the snapshot carries one, adds three gauges. A real agent on loopback."""
@@ -11,8 +11,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dspark.agent import Agent, metrics_text
-from dspark.states import STATES, Liveness, NodeState
+from dspark.node.agent import Agent, metrics_text
+from dspark.node.states import STATES, Liveness, NodeState
 
 IDENT = {"node": "spark-a", "rank": "0", "role": "head"}
 # Every family the agent serves for a head with a full liveness round, with its label names.
@@ -41,7 +41,7 @@ def head_state() -> NodeState:
 
 class Snapshots:
     """The supervisor's side: a state the test changes, and how often the agent read it. The
-    snapshot's `memory` is this host's (dspark.host_memory) unless the test gives one or takes it
+    snapshot's `memory` is this host's (dspark.node.host_memory) unless the test gives one or takes it
     out (memory=ABSENT)."""
 
     def __init__(self, state: NodeState, memory: object = None, **extra):

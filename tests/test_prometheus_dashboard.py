@@ -1,7 +1,7 @@
 """The Grafana dashboard (src/dspark/data/grafana/dspark.json): the file is what dspark.monitoring
 writes; its structure is one Grafana loads (unique ids, panels on the 24-column grid without
 overlap, every query on the dashboard's Prometheus data source); every metric it names is one that
-vLLM (dspark.vllm_facts, read from the real build) or a real agent serves; Prometheus' own parser
+vLLM (dspark.engine.facts, read from the real build) or a real agent serves; Prometheus' own parser
 (promtool) accepts every query. tests/test_prometheus_pair.py runs the queries against the real pair."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dspark import monitoring
-from dspark import vllm_facts as F
-from dspark.agent import Agent
-from dspark.states import Liveness, NodeState
+from dspark.engine import facts as F
+from dspark.node.agent import Agent
+from dspark.node.states import Liveness, NodeState
 
 PANEL_TYPES = {"stat", "timeseries", "state-timeline"}
 # Names that are no metric in a query: PromQL's functions and keywords, and label names.
@@ -90,7 +90,7 @@ def agent_metric_names() -> set[str]:
 
 
 def vllm_metric_names() -> set[str]:
-    """vLLM's sample names as dspark.vllm_facts records them (counters with _total, histograms'
+    """vLLM's sample names as dspark.engine.facts records them (counters with _total, histograms'
     _bucket, _sum and _count)."""
     counters = {F.GENERATION_TOKENS, F.PROMPT_TOKENS, F.REQUEST_SUCCESS}
     histograms = {F.TTFT, F.ITL, F.E2E}
@@ -129,7 +129,7 @@ def test_scrape_configs_pass_promtool(tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (Debian's prometheus: .ci/setup --system)")
-    from dspark import config
+    from dspark.config import validate as config
 
     key = tmp_path / "key"
     key.write_text("k\n")
@@ -145,7 +145,7 @@ def test_python_m_dspark_monitoring_prints_the_jobs_and_the_dashboard(tmp_path):
     """What docs/monitoring.md gives a host without the NixOS module, run as written."""
     import sys
 
-    from dspark import config
+    from dspark.config import validate as config
 
     cluster_file = tmp_path / "cluster.toml"
     cluster_file.write_text('[model]\npath = "/m"\n\n[[nodes]]\nname = "a"\nrank = 0\naddress = "10.0.0.1"\n'

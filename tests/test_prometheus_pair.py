@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config, monitoring
-from dspark import local as L
+from dspark.config import validate as config
+from dspark import monitoring
+from dspark.local import appliance as L
 
 pytestmark = pytest.mark.pair
 
@@ -160,7 +161,7 @@ def test_prometheus_scrapes_the_pair_decode_throughput_and_node_states(local_pai
         assert result, f"{title}: {expr} returned nothing"
     node_state = monitoring.state_number_expr().replace("$__rate_interval", WINDOW)
     assert {r["metric"]["node"]: r["value"] for r in answers[node_state]} == \
-        {"local-head": "5", "local-worker": "5"}  # 5: serving, dspark.states' fifth
+        {"local-head": "5", "local-worker": "5"}  # 5: serving, dspark.node.states' fifth
 
     print(f"\n{DECODE} -> {decode_tps:.3f} tokens/s\n{STATES} -> {by_node}")
     (artifacts_dir / "prometheus-pair.json").write_text(json.dumps({

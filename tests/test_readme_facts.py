@@ -6,7 +6,7 @@ import re
 
 from dspark_cli import invoke_dspark
 
-from dspark.node_policy import BACKOFF_MAX_S, backoff_delay
+from dspark.node.policy import BACKOFF_MAX_S, backoff_delay
 
 from docs_text import docs_text
 

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from pairlib import run_dspark
-from dspark import config as C
-from dspark.render import API_GUARD_DIR, Launch, render
-from dspark.secret_policy import REDACTED
+from dspark.config.schema import GIB
+from dspark.config import validate as C
+from dspark.node.launch import API_GUARD_DIR, Launch, render
+from dspark.config.secret_policy import REDACTED
 
 HERE = Path(__file__).parent
 FIXTURE = HERE / "fixtures" / "cluster-two-node.toml"
@@ -89,9 +90,9 @@ def test_worker_is_headless_and_has_no_api(cluster):
 def test_kv_cache_bytes_replaces_the_utilization(cluster):
     import dataclasses
 
-    s = dataclasses.replace(cluster.serving, kv_cache_memory_bytes=12 * C.GIB)
+    s = dataclasses.replace(cluster.serving, kv_cache_memory_bytes=12 * GIB)
     f = flags(render(dataclasses.replace(cluster, serving=s), cluster.head).argv)
-    assert f["--kv-cache-memory-bytes"] == str(12 * C.GIB) and "--gpu-memory-utilization" not in f
+    assert f["--kv-cache-memory-bytes"] == str(12 * GIB) and "--gpu-memory-utilization" not in f
 
 
 def test_secrets_redacted_and_shell_output_round_trips():

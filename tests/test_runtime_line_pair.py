@@ -13,16 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark import local
-from dspark import runtime_lines
-from dspark import states as S
+from dspark.config.schema import Cluster
+from dspark.config.template import dumps
+from dspark.config import validate as C
+from dspark.local import appliance as local
+from dspark.lines import runtime as runtime_lines
+from dspark.node import states as S
 from dspark import status
-from dspark.agent import Agent
-from dspark.agent_client import AgentAnswer
-from dspark.liveness import LivenessJudge
-from dspark.local_model import TINY_MODEL
-from dspark.node_policy import EXIT_NEVER_READY, Events, Limits, NodePolicy, Peer
+from dspark.node.agent import Agent
+from dspark.node.agent_client import AgentAnswer
+from dspark.node.liveness import LivenessJudge
+from dspark.local.model import TINY_MODEL
+from dspark.node.policy import EXIT_NEVER_READY, Events, Limits, NodePolicy, Peer
 from dspark.preflight import peer as P
 from dspark_cli import invoke_dspark
 
@@ -38,7 +40,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def write_cluster(tmp_path: Path, name: str, head_agent: int, worker_agent: int, line: str | None,
-                  command: list[str] | None = None) -> C.Cluster:
+                  command: list[str] | None = None) -> Cluster:
     path = tmp_path / name
     (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_MODEL))
@@ -50,7 +52,7 @@ def write_cluster(tmp_path: Path, name: str, head_agent: int, worker_agent: int,
             "nodes": [{"name": "h", "rank": 0, "address": "127.0.0.1", "agent_port": head_agent,
                        "api_host": "127.0.0.1", "api_port": free_port(), "master_port": free_port()},
                       {"name": "w", "rank": 1, "address": "127.0.0.2", "agent_port": worker_agent}]}
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return C.load(path)
 
 
@@ -154,8 +156,8 @@ def test_head_pairs_with_a_worker_on_its_line():
 def test_real_supervisor_head_refuses_a_real_worker_agent_on_another_line(tmp_path):
     """The head's own supervisor (in-process, its vLLM a command that must never run) polls a
     real worker agent on another line and ends FAILED naming both lines, vLLM never started."""
-    from dspark.render import Launch
-    from dspark.supervisor import Supervisor
+    from dspark.node.launch import Launch
+    from dspark.node.supervisor import Supervisor
 
     port_h, port_w = free_port(), free_port("127.0.0.2")
     head = write_cluster(tmp_path, "head.toml", port_h, port_w, None)

@@ -1,4 +1,4 @@
-"""Runtime lines as data (dspark/data/runtime_lines.toml, dspark.runtime_lines).
+"""Runtime lines as data (dspark/data/runtime_lines.toml, dspark.lines.runtime).
 
 The cluster file names a line (serving.runtime_line, default the seed's v0.28.0); `dspark render`
 renders the settings through the line's vocabulary and `dspark config check` refuses a setting
@@ -23,10 +23,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dspark import config as C
-from dspark import runtime_lines as R
-from dspark.cli import main
-from dspark.overlay import read_series, series_vllm_version, touched_files
+from dspark.config.schema import SEED_ENV
+from dspark.config.template import dumps, template
+from dspark.config import validate as C
+from dspark.lines import runtime as R
+from dspark.cli.main import main
+from dspark.lines.overlay import read_series, series_vllm_version, touched_files
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -45,7 +47,7 @@ def cluster_file(tmp_path: Path, **serving) -> Path:
     data = tomllib.loads(FIXTURE.read_text())
     data["serving"].update(serving)
     path = tmp_path / "cluster.toml"
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return path
 
 
@@ -67,7 +69,7 @@ def test_the_default_line_named_explicitly_renders_the_golden_launch(tmp_path, n
     assert C.load(path).serving.runtime_line == C.load(FIXTURE).serving.runtime_line == "v0.28.0"
     r = invoke("render", "--config", str(path), "--node", node)
     assert r.exit_code == 0, r.output
-    from dspark.render import API_GUARD_DIR  # where this checkout is: a placeholder in the golden
+    from dspark.node.launch import API_GUARD_DIR  # where this checkout is: a placeholder in the golden
 
     assert r.output.replace(str(API_GUARD_DIR), "@API_GUARD_DIR@") == (HERE / "golden" / f"render-{node}.txt").read_text()
 
@@ -87,7 +89,7 @@ def test_the_v032_line_sends_the_seed_moe_backend_as_upstream_b12x_at_w4a16(tmp_
 
 
 def test_the_cluster_files_own_env_wins_over_the_lines(tmp_path):
-    env = dict(C.SEED_ENV, VLLM_B12X_MOE_FP4_FORCE_A16="0")
+    env = dict(SEED_ENV, VLLM_B12X_MOE_FP4_FORCE_A16="0")
     out = render_json(cluster_file(tmp_path, runtime_line="v0.32.0", kv_cache_dtype="fp8_ds_mla", env=env))
     assert out["env"]["VLLM_B12X_MOE_FP4_FORCE_A16"] == "0"
 
@@ -169,7 +171,7 @@ def test_a_retired_line_is_refused_saying_so_and_why(tmp_path):
 
 
 def test_the_template_names_the_default_line_and_where_lines_come_from():
-    serving = C.template().split("[serving]\n", 1)[1].split("\n\n", 1)[0]
+    serving = template().split("[serving]\n", 1)[1].split("\n\n", 1)[0]
     assert 'runtime_line = "v0.28.0"' in serving
     assert "runtime_lines.toml" in serving
 
@@ -308,8 +310,8 @@ def site_of(version: str) -> Path | None:
     site = os.environ.get(f"DSPARK_VLLM_{version.replace('.', '')[:3]}_SITE")
     if site:
         return Path(site)
-    # The line's CPU build as .ci/setup installs it, beside .venv (dspark.local.lines_dir).
-    from dspark.local import lines_dir
+    # The line's CPU build as .ci/setup installs it, beside .venv (dspark.local.appliance.lines_dir).
+    from dspark.local.appliance import lines_dir
 
     found = sorted((lines_dir() / f"v{version}").glob("lib/python3*/site-packages/vllm"))
     return found[0].parent if found else None  # None while .ci/setup is still installing it

@@ -23,12 +23,13 @@ from pathlib import Path
 import pytest
 from standin_lib import write_cluster
 
-from dspark import config as C
-from dspark import line_state
-from dspark.local_model import TINY_MODEL
-from dspark.node_policy import EXIT_CONFIG
+from dspark.config.template import dumps
+from dspark.config import validate as C
+from dspark.lines import state as line_state
+from dspark.local.model import TINY_MODEL
+from dspark.node.policy import EXIT_CONFIG
 
-EXIT_RETRY = 5  # dspark.node_policy.EXIT_RETRY: restarted by the units
+EXIT_RETRY = 5  # dspark.node.policy.EXIT_RETRY: restarted by the units
 
 
 def checked_cluster(tmp_path: Path) -> Path:
@@ -37,7 +38,7 @@ def checked_cluster(tmp_path: Path) -> Path:
     (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_MODEL))
     data = tomllib.loads(path.read_text())
     data["serving"]["load_format"] = "dummy"  # no shards: the stand-in loads nothing
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return path
 
 
@@ -293,8 +294,8 @@ def test_a_read_only_state_directory_is_named_with_its_mount_and_stays_restartab
 def test_which_os_errors_are_retried(tmp_path, code, retry):
     """The CLI's boundary (the narrowest one every OSError of serve() crosses): only an error
     the cluster file or the install must fix is a refusal (2); every other is retried (5)."""
-    from dspark.cli import _serve_os_error
-    from dspark.config import load
+    from dspark.cli.main import _serve_os_error
+    from dspark.config.validate import load
 
     cluster = load(write_cluster(tmp_path))
     message, transient = _serve_os_error(OSError(code, os.strerror(code)), cluster, cluster.head, tmp_path)

@@ -1,4 +1,4 @@
-"""dspark.signals.SignalQueue, the one signal setup of `serve`, `local up` and `dashboard`: the
+"""dspark.node.signals.SignalQueue, the one signal setup of `serve`, `local up` and `dashboard`: the
 handler only queues; the first signal is kept for a loop that only asks whether to stop; the
 handlers it replaced come back when the command is done (the caller's, e.g. pytest's)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import signal
 
-from dspark.signals import SignalQueue
+from dspark.node.signals import SignalQueue
 
 
 def test_a_signal_is_queued_kept_as_the_first_and_the_old_handler_comes_back():

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from dspark.agent import Agent
-from dspark.agent_client import fetch_state
+from dspark.node.agent import Agent
+from dspark.node.agent_client import fetch_state
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 from standin_lib import write_cluster

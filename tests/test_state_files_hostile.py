@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.supervisor import EXIT_OK
+from dspark.node.policy import EXIT_OK
 from standin_lib import write_cluster
 
 MEMORY = 2 << 30

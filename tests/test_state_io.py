@@ -1,5 +1,5 @@
 """Every state file dspark keeps in a node's state directory, written and read back through the
-functions that own it (dspark.line_state, dspark.supervisor's failure history and start count,
+functions that own it (dspark.lines.state, dspark.node.supervisor's failure history and start count,
 dspark.switch's history and lock), with the faults of issue 33:
 
 - items 17 and 1: each write fsyncs the file and its directory, leaves no temp file when it
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from dspark import line_state
+from dspark.lines import state as line_state
 from dspark import switch as W
-from dspark import switch_history as H
-from dspark.node_policy import backoff_delay
-from dspark.supervisor import FAILURES_FILE, FailureHistory, _count_start, _read_starts
+from dspark.lines import history as H
+from dspark.node.policy import backoff_delay
+from dspark.node.supervisor import FAILURES_FILE, FailureHistory, _count_start, _read_starts
 from test_line_state import cluster
 
 A, B = "v0.28.0", "v0.32.0"
@@ -203,7 +203,7 @@ SWITCH_REPORTS = """
 import os, sys, time
 from pathlib import Path
 from dspark import switch as W
-from dspark import switch_history as H
+from dspark.lines import history as H
 from dspark.bench import decode
 from test_line_state import cluster, report
 

@@ -12,7 +12,8 @@ from dspark_cli import invoke_dspark
 from pairlib import dspark_cmd
 from standin_lib import STANDIN, free_port, write_cluster
 
-from dspark import config as C
+from dspark.config.template import dumps
+from dspark.config import validate as C
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cluster-two-node.toml"
 
@@ -51,7 +52,7 @@ def write_ring(tmp: Path, workers: int = 3) -> Path:
             "supervisor": {"stop_grace_s": 2.0, "worker_wait_timeout_s": 60.0, "rendezvous_timeout_s": 120.0},
             "nodes": entries}
     path = tmp / "cluster.toml"
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return path
 
 

@@ -16,10 +16,10 @@ from dspark_cli import invoke_dspark
 from pairlib import pick_ports
 from standin_lib import write_cluster
 
-from dspark import config as C
-from dspark import local
+from dspark.config.schema import DEFAULT_CONFIG_PATH
+from dspark.local import appliance as local
 
-NO_ETC = pytest.mark.skipif(C.DEFAULT_CONFIG_PATH.exists(), reason=f"{C.DEFAULT_CONFIG_PATH} exists on this host")
+NO_ETC = pytest.mark.skipif(DEFAULT_CONFIG_PATH.exists(), reason=f"{DEFAULT_CONFIG_PATH} exists on this host")
 
 
 @NO_ETC
@@ -46,7 +46,7 @@ def test_status_with_no_cluster_file_anywhere_says_how_to_make_either(tmp_path):
     r = invoke_dspark("status", env={"DSPARK_CONFIG": None}, cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert str(C.DEFAULT_CONFIG_PATH) in r.stderr and "config init" in r.stderr and "local up" in r.stderr, r.stderr
+    assert str(DEFAULT_CONFIG_PATH) in r.stderr and "config init" in r.stderr and "local up" in r.stderr, r.stderr
 
 
 def test_status_of_a_unit_cluster_with_nothing_running_says_to_start_the_units(tmp_path):

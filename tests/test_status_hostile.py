@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from dspark import config as C
-from dspark.supervisor import EXIT_DIED
+from dspark.config.template import dumps
+from dspark.config import validate as C
+from dspark.node.policy import EXIT_DIED
 from hostile import HostileServer, answer, send
 from dspark_cli import invoke_dspark
 from standin_lib import alive, write_cluster
@@ -27,7 +28,7 @@ def cluster_for(tmp_path, worker_port: int, head_port: int, api_port: int):
                        "agent_port": head_port},
                       {"name": "w", "rank": 1, "address": "127.0.0.2", "agent_port": worker_port}]}
     path = tmp_path / "cluster.toml"
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     return path
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pairlib import dspark_cmd
-from dspark.supervisor import EXIT_DIED, EXIT_OK
+from dspark.node.policy import EXIT_DIED, EXIT_OK
 from standin_lib import alive, write_cluster
 
 
@@ -59,7 +59,7 @@ def test_a_sigkilled_supervisor_takes_its_vllms_whole_group_down_and_clients_get
     """Outside systemd no KillMode= sweeps the group: the supervisor's own arrangements must. The
     stand-in's run is one process group with a grandchild in it, as vLLM's API process, engine
     core and TP workers are; requests are in flight when the supervisor dies."""
-    from dspark.vllm_process import group_members
+    from dspark.node.vllm_process import group_members
     from test_supervisor import completions
 
     child_file = tmp_path / "grandchild.pid"
@@ -88,7 +88,7 @@ def test_a_sigkilled_supervisor_takes_its_vllms_whole_group_down_and_clients_get
 def test_kill_9_of_vllm_leaves_nothing_of_its_group_once_the_supervisor_exits(tmp_path, serve):
     """vLLM's API process killed unasked: the supervisor exits as a failure, and by then every
     process of the run (the grandchild too) is gone and nothing listens on the API port."""
-    from dspark.vllm_process import group_members
+    from dspark.node.vllm_process import group_members
 
     child_file = tmp_path / "grandchild.pid"
     s = serve(write_cluster(tmp_path), "h", STANDIN_CHILD_FILE=child_file)

@@ -33,9 +33,9 @@ from pairlib import dspark_cmd
 from standin_lib import STANDIN, write_cluster
 from test_serve_transient import fill, tiny_tmpfs
 
-from dspark import config as C
-from dspark import line_state
-from dspark.node_policy import EXIT_DIED
+from dspark.config.template import dumps
+from dspark.lines import state as line_state
+from dspark.node.policy import EXIT_DIED
 
 A, B = "v0.28.0", "v0.32.0"
 STANDIN_LINE = [sys.executable, str(STANDIN)]
@@ -73,7 +73,7 @@ def serving_pair(tmp_path: Path, serve, *, drain_s: float = 1.0, **env):
     path = write_cluster(tmp_path, nodes=2, drain_s=drain_s, worker_wait_timeout_s=120.0)
     data = tomllib.loads(path.read_text())
     data["serving"]["line_commands"] = {A: STANDIN_LINE, B: STANDIN_LINE}
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     nodes = (serve(path, "h", **env), serve(path, "w", **env))
     assert pump(nodes, lambda: lines_of(nodes) == [("serving", A)] * 2, 90), lines_of(nodes)
     return path, nodes
@@ -172,7 +172,7 @@ def test_a_switch_that_died_while_the_head_was_down_is_rolled_back_when_the_head
     path = write_cluster(tmp_path)
     data = tomllib.loads(path.read_text())
     data["serving"]["line_commands"] = {A: STANDIN_LINE, B: STANDIN_LINE}
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = line_state.Switch("s1", A, B, time.time(), owner_pid=int(gone.stdout), owner_start=1)
     line_state.write(tmp_path / "state-h", line_state.LineState(B, A, dead))
@@ -261,7 +261,8 @@ def test_a_full_head_state_directory_refuses_the_switch_with_nothing_changed(tmp
 def test_a_record_whose_switch_holds_the_lock_is_left_alone_and_a_rollback_past_its_time_fails(tmp_path):
     import fcntl
 
-    from dspark import state_io, switch_history
+    from dspark.files import state_io
+    from dspark.lines import history as switch_history
 
     rollback = line_state.Switch("s1-rollback", B, A, time.time() - 100, rollback=True)
     line_state.write(tmp_path, line_state.LineState(A, A, rollback))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark import local
+from dspark.local import appliance as local
 from pairlib import ARTIFACTS, dspark_cmd
 from switch_lib import A, B, WIDE_BAND
 

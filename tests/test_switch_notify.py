@@ -17,16 +17,19 @@ import pytest
 from pairlib import dspark_cmd
 from standin_lib import STANDIN, write_cluster
 
-from dspark import config as C
-from dspark import line_state, local, state_io, switch_history
-from dspark.local_model import TINY_MODEL
+from dspark.config.template import dumps
+from dspark.lines import state as line_state
+from dspark.local import appliance as local
+from dspark.files import state_io
+from dspark.lines import history as switch_history
+from dspark.local.model import TINY_MODEL
 
 A, B = "v0.28.0", "v0.32.0"
 
 
 def switch_running(state_dir, request) -> None:
     """A switch runs, holding its lock as dspark switch does, until the test ends: the head
-    leaves the switch record written by the test to it (dspark.switch_history)."""
+    leaves the switch record written by the test to it (dspark.lines.history)."""
     state_dir.mkdir(exist_ok=True)
     lock = state_io.open_lock(state_dir / switch_history.LOCK)
     fcntl.flock(lock, fcntl.LOCK_EX)
@@ -37,7 +40,7 @@ def test_a_switch_restarts_vllm_on_the_new_line_without_stopping_the_unit(tmp_pa
     path = write_cluster(tmp_path, drain_s=1.0)
     data = tomllib.loads(path.read_text())
     data["serving"]["line_commands"] = {A: [sys.executable, str(STANDIN)], B: [sys.executable, str(STANDIN)]}
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     s = serve(path, "h", STANDIN_READY_DELAY=0.5)
     s.read(until="READY=1")
     before = len(s.messages)
@@ -71,7 +74,7 @@ def test_a_worker_restarted_alone_on_another_line_than_its_heads_follows_the_hea
     data = tomllib.loads(path.read_text())
     data["serving"]["line_commands"] = {A: [sys.executable, str(STANDIN)], B: [str(second), str(STANDIN)]}
     data["serving"]["load_format"] = "dummy"  # no shards: the stand-in loads nothing
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     line_state.write(tmp_path / "state-h", line_state.LineState(A, A, line_state.Switch("t-rollback", B, A,
                                                                                           time.time(), rollback=True)))
     line_state.write(tmp_path / "state-w", line_state.LineState(B, A))
@@ -104,7 +107,7 @@ def test_dspark_switch_to_a_line_that_cannot_start_rolls_the_pair_back_to_the_ol
     data = tomllib.loads(path.read_text())
     broken = [sys.executable, "-c", "import sys; sys.exit('ImportError: vllm is broken in this install')"]
     data["serving"]["line_commands"] = {A: [sys.executable, str(STANDIN)], B: broken}
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     h, w = serve(path, "h"), serve(path, "w")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -154,7 +157,7 @@ def test_a_node_whose_state_names_a_line_it_cannot_run_serves_the_files_line_wit
     (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_MODEL))  # the check reads it
     data = tomllib.loads(path.read_text())
     data["serving"]["load_format"] = "dummy"  # no shards: the stand-in loads nothing
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     record = line_state.Switch("s1", A, wanted, time.time()) if wanted == "v0.32.0" else None
     if record is not None:
         switch_running(tmp_path / "state-h", request)

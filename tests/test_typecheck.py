@@ -1,4 +1,4 @@
-"""dspark.typecheck: the one type check the cluster file and the bench reports use, and the JSON
+"""dspark.config.typecheck: the one type check the cluster file and the bench reports use, and the JSON
 Schema generated from a dataclass declaration (the dashboard's snapshot schema comes from it).
 The schemas are judged by jsonschema, the validator a client of the dashboard would use."""
 
@@ -10,7 +10,7 @@ from typing import Any, Literal
 import jsonschema
 import pytest
 
-from dspark.typecheck import about, fits, json_schema
+from dspark.config.typecheck import about, fits, json_schema
 
 
 @dataclass

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark import runtime_lines as R
+from dspark.config.schema import Cluster, ConfigError
+from dspark.config.toml import toml_value
+from dspark.config import validate as C
+from dspark.lines import runtime as R
 from dspark.preflight import Host, run
-from dspark.render import render
+from dspark.node.launch import render
 from test_config_sources import vllm  # noqa: F401,F811 (the fixture)
 from test_render import flags
 
@@ -37,9 +39,9 @@ def vision_exp_config() -> dict:
     return {**json.loads(FLASH_CONFIG.read_text()), **VISION_FIELDS}
 
 
-def cluster_with(tmp_path: Path, **serving) -> C.Cluster:
+def cluster_with(tmp_path: Path, **serving) -> Cluster:
     text = FIXTURE.read_text()
-    extra = "".join(f"{k} = {C.toml_value(v)}\n" for k, v in serving.items())
+    extra = "".join(f"{k} = {toml_value(v)}\n" for k, v in serving.items())
     path = tmp_path / "cluster.toml"
     path.write_text(text.replace('[serving]\n', '[serving]\n' + extra, 1))
     return C.load(path)
@@ -67,13 +69,13 @@ def test_limit_is_rendered_as_json_and_vllm_parses_it(tmp_path, vllm):  # noqa: 
     ({"image": "four"}, "serving.limit_mm_per_prompt: expected a table, got { image = \"four\" }"),
 ])
 def test_a_bad_limit_is_refused_by_name(tmp_path, table, said):
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         cluster_with(tmp_path, limit_mm_per_prompt=table)
     assert said in str(e.value)
 
 
 def test_the_flag_in_extra_args_points_at_the_key(tmp_path):
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         cluster_with(tmp_path, extra_args=["--limit-mm-per-prompt", '{"image": 2}'])
     assert "serving.limit_mm_per_prompt" in str(e.value)
 

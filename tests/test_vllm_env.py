@@ -9,7 +9,7 @@ import json
 
 from standin_lib import write_cluster
 
-from dspark.render import API_GUARD_DIR
+from dspark.node.launch import API_GUARD_DIR
 
 
 def test_vllm_gets_the_guard_first_then_the_inherited_path(tmp_path, serve):

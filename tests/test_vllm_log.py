@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dspark.vllm_facts import LOG_SHUTDOWN_SIGNALLED
-from dspark.vllm_log import SHUTDOWN_ABORT_LINE, ShutdownLog
+from dspark.engine.facts import LOG_SHUTDOWN_SIGNALLED
+from dspark.engine.log import SHUTDOWN_ABORT_LINE, ShutdownLog
 
 FIXTURES = Path(__file__).parent / "fixtures"
 STOP = (FIXTURES / "vllm-stop-abort.log").read_text().splitlines(keepends=True)

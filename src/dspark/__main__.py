@@ -14,7 +14,7 @@ if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
 
 
 def main() -> None:
-    from .cli import main as cli
+    from dspark.cli.main import main as cli
 
     cli()
 

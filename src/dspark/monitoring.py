@@ -5,7 +5,7 @@ The NixOS module builds the same scrape configuration from the same cluster file
 (nix/monitoring.nix, `services.dspark.prometheus.scrapeConfigs`); tests/nix/test_module_prometheus.py
 keeps the two equal. The dashboard's JSON (src/dspark/data/grafana/dspark.json, which the module
 provisions) is written by `grafana_dashboard()` here, from the metric names vLLM and the agent
-serve (dspark.vllm_facts, dspark.agent); tests/test_prometheus_dashboard.py keeps the file equal
+serve (dspark.engine.facts, dspark.node.agent); tests/test_prometheus_dashboard.py keeps the file equal
 to it, and tests/test_prometheus_pair.py runs every one of its queries in a real Prometheus
 scraping the local pair.
 
@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import vllm_facts as F
-from .config_schema import Cluster, NodeConfig
-from .states import FAILED, SERVING, STARTING, STATES, STOPPED, STOPPING
+from dspark.engine import facts as F
+from dspark.config.schema import Cluster, NodeConfig
+from dspark.node.states import FAILED, SERVING, STARTING, STATES, STOPPED, STOPPING
 
 # The two scrape jobs; the dashboard's queries select them by these names.
 JOB_VLLM = "dspark-vllm"
@@ -82,7 +82,7 @@ def scrape_configs(cluster: Cluster, api_key_file: str | None = None,
 
 # ------------------------------------------------------------------ the Grafana dashboard
 _DS = {"type": "prometheus", "uid": "${datasource}"}
-# A node's state as one number for the state timeline (1..8 in dspark.states' order).
+# A node's state as one number for the state timeline (1..8 in dspark.node.states' order).
 _STATE_COLOURS = {STARTING: "blue", SERVING: "green", STOPPING: "orange", STOPPED: "text", FAILED: "red"}
 
 
@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "dashboard":
         sys.stdout.write(dashboard_text())
         return 0
-    from .config import ConfigError, load
+    from dspark.config.schema import ConfigError
+    from dspark.config.validate import load
 
     try:
         cluster = load(args.config)

@@ -6,20 +6,20 @@ Typed once, on the head (it writes the head's state; nothing new listens):
      setting the line cannot honour, a pair not serving, a switch already under way;
   2. the same decode benchmark (same prompts, same seed, salted caches) `repeats` times on the
      current line: the spread of those runs is the noise band;
-  3. the head's state names the new line (dspark.line_state): the head drains and restarts its
+  3. the head's state names the new line (dspark.lines.state): the head drains and restarts its
      vLLM on it, each worker follows its head (worker first into the rendezvous, the head's vLLM
-     last: dspark.node_policy);
+     last: dspark.node.policy);
   4. the pair must serve on the new line within `timeout_s`; the benchmark runs once more;
   5. verdict: kept, or rolled back the same way to the previous line (still installed) when the
      new line did not serve in time, failed the benchmark, or its score fell below the band.
 Every switch is kept in the head's state directory: switch-history.json (time, from, to,
-verdict, band, time not serving; dspark.switch_history), recorded `running` before anything
+verdict, band, time not serving; dspark.lines.history), recorded `running` before anything
 changes, and switches/<id>/ (the reports and their comparison), all mode 0600.
 
-Interrupted: Ctrl-C (or SIGTERM, SIGHUP: dspark.switch_cli) before the head's state changes ends
+Interrupted: Ctrl-C (or SIGTERM, SIGHUP: dspark.cli.switch) before the head's state changes ends
 it `not started`; after, it rolls back; a second one during the rollback stops waiting and leaves
 the rollback to the head, which completes and records it. A switch killed outright is gone on
-with by the head (dspark.switch_history.resolve_abandoned).
+with by the head (dspark.lines.history.resolve_abandoned).
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, cast
 
-from . import line_state, state_io
-from . import switch_history as H
-from . import states as S
-from .agent_client import agent_state
-from .bench.client import REQUEST_TIMEOUT_S
-from .config import Cluster, ConfigError
-from .safe_read import NotRegularFile, describe
-from .switch_history import Record
+from dspark.lines import state as line_state
+from dspark.files import state_io
+from dspark.lines import history as H
+from dspark.node import states as S
+from dspark.node.agent_client import agent_state
+from dspark.bench.client import REQUEST_TIMEOUT_S
+from dspark.config.schema import Cluster, ConfigError
+from dspark.files.safe_read import NotRegularFile, describe
+from dspark.lines.history import Record
 
 REPORTS = "switches"
 POLL_S = 0.5
@@ -137,7 +138,7 @@ class Switcher:
 
     def check(self) -> str:
         """The line the pair serves now; raises SwitchRefused with every reason it cannot switch."""
-        from . import runtime_lines
+        from dspark.lines import runtime as runtime_lines
 
         c, to = self.cluster, self.to
         lines = runtime_lines.load()
@@ -178,7 +179,7 @@ class Switcher:
 
     def resolve_abandoned(self, states: dict[str, dict | None]) -> None:
         """An earlier switch whose dspark switch is gone: gone on with, as the head does it
-        (dspark.switch_history), as the state directory's owner, from the nodes' `states`."""
+        (dspark.lines.history), as the state directory's owner, from the nodes' `states`."""
         st = line_state.read(self.state_dir) if self.state_dir.is_dir() else None
         if st is None or st.switch is None:
             return
@@ -228,9 +229,9 @@ class Switcher:
             time.sleep(POLL_S)
 
     def _bench(self, label: str, rec: Record):
-        from .bench import decode
-        from .bench.client import BenchError, Target
-        from .bench.report import paths, to_markdown
+        from dspark.bench import decode
+        from dspark.bench.client import BenchError, Target
+        from dspark.bench.report import paths, to_markdown
 
         b = self.bench
         assert b is not None  # run() benchmarks only with a bench (not --no-bench)
@@ -350,7 +351,7 @@ class Switcher:
         except KeyboardInterrupt:
             # The state names the old line with the rollback's record: the head goes back (its
             # workers re-form the pair with it) and completes the rollback on its own once the
-            # pair serves (dspark.switch_history.resolve_abandoned). Not waited for here.
+            # pair serves (dspark.lines.history.resolve_abandoned). Not waited for here.
             rec.reason = f"{reason}; interrupted again during the rollback to {back}: left to the head"
             self.say(f"interrupted again: not waiting; the head completes the rollback to {back} and records it "
                      "(dspark switch --history)")
@@ -368,7 +369,7 @@ class Switcher:
         return self._finish(rec)
 
     def _compare(self, before, after, rec: Record) -> None:
-        from .bench.compare import CompareRefused, table
+        from dspark.bench.compare import CompareRefused, table
 
         try:
             text = table(before, after)

@@ -50,7 +50,7 @@ def test_the_options_defaults_are_the_specs(command, spec):
 
     import click
 
-    from dspark.bench import cli as bench_cli
+    from dspark.cli import bench as bench_cli
     from dspark.bench import decode, prefill
     from dspark.bench.client import Target
 

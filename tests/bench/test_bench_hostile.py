@@ -164,7 +164,7 @@ def test_compare_refuses_wrongly_typed_reports(tmp_path, path, value):
     (("server",), [1], "server = [1] is not an object"),
 ])
 def test_a_wrongly_typed_field_is_named_with_its_json_type(tmp_path, path, value, says):
-    """The report checker (dspark.typecheck, shared with the cluster file) speaks JSON here."""
+    """The report checker (dspark.config.typecheck, shared with the cluster file) speaks JSON here."""
     pa, pb = _pair(tmp_path, _set(path, value))
     r = invoke_dspark("bench", "compare", str(pa), str(pb))
     assert r.returncode == 2 and f"malformed report: {says}" in r.stderr, r.stderr

@@ -13,12 +13,12 @@ import urllib.parse
 import pytest
 
 from pairlib import run_dspark
-from dspark import http
-from dspark import vllm_facts as F
+from dspark.net import http
+from dspark.engine import facts as F
 from dspark.bench import decode, prefill, prompts
 from dspark.bench.client import Target, completion_body, scrape, stream_completion
-from dspark.bench.metrics import window
-from dspark.vllm_metrics import busy
+from dspark.engine.metrics import window
+from dspark.engine.metrics import busy
 from dspark.bench.report import Report
 
 pytestmark = pytest.mark.pair

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark.bench import compare, metrics, prefill, prompts, stats
+from dspark.bench import compare, prefill, prompts, stats
+from dspark.engine import metrics
 from dspark.bench.decode import DecodeSpec
 from dspark.bench.prefill import PrefillSpec
 from dspark.bench.report import PrefillSummary, PrefillTrial, Report, ReportError, SCHEMA_VERSION
@@ -82,19 +83,19 @@ def test_percentile_small_cases():
 
 # ---------------------------------------------------------------------------- metrics
 def window_of(name: str) -> metrics.Window:
-    before = metrics.parse((FIXTURES / f"metrics-{name}-before.txt").read_text(), MODEL)
-    after = metrics.parse((FIXTURES / f"metrics-{name}-after.txt").read_text(), MODEL)
+    before = metrics.parse_samples((FIXTURES / f"metrics-{name}-before.txt").read_text(), MODEL)
+    after = metrics.parse_samples((FIXTURES / f"metrics-{name}-after.txt").read_text(), MODEL)
     return metrics.window(before, after)
 
 
 def test_parse_reads_counters_histograms_gauges_and_info():
-    snap = metrics.parse((FIXTURES / "metrics-single-before.txt").read_text(), MODEL)
+    snap = metrics.parse_samples((FIXTURES / "metrics-single-before.txt").read_text(), MODEL)
     assert snap.counter("vllm:prompt_tokens") > 0
     assert snap.hist_count("vllm:request_prefill_time_seconds") >= 1
     assert snap.gauge("vllm:num_requests_running") == 0
     assert snap.info("vllm:cache_config_info")["block_size"] == "128"
     # Another model's samples are not counted; an unknown metric is None, never 0.
-    assert metrics.parse((FIXTURES / "metrics-single-before.txt").read_text(), "other").counter(
+    assert metrics.parse_samples((FIXTURES / "metrics-single-before.txt").read_text(), "other").counter(
         "vllm:prompt_tokens") is None
     assert snap.counter("vllm:no_such_metric") is None
 
@@ -134,8 +135,8 @@ def test_judge_counts_extra_requests_and_tokens():
 def test_missing_histograms_mean_not_reported_not_zero():
     text = "\n".join(line for line in (FIXTURES / "metrics-single-after.txt").read_text().splitlines()
                      if "request_prefill_time_seconds" not in line) + "\n"
-    before = metrics.parse((FIXTURES / "metrics-single-before.txt").read_text(), MODEL)
-    w = metrics.window(before, metrics.parse(text, MODEL))
+    before = metrics.parse_samples((FIXTURES / "metrics-single-before.txt").read_text(), MODEL)
+    w = metrics.window(before, metrics.parse_samples(text, MODEL))
     assert w.prefill_time_s is None
     j = prefill.judge(w, 256)
     assert j.prefill_tok_s is None and any("does not report" in n for n in j.notes)

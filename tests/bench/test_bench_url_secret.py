@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from dspark.cli import main
+from dspark.cli.main import main
 from hostile import HostileServer
 from test_bench_hostile import routes
 

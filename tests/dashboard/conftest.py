@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from dspark import agent as A
+from dspark.node.states import NodeState, SERVING
+from dspark.node import agent as A
 
 from .helpers import MetricsStandIn
 
@@ -16,11 +17,11 @@ def metrics_stand_in():
 
 @pytest.fixture
 def agents():
-    """Two real node agents (dspark.agent.Agent) on loopback, serving states the test sets."""
+    """Two real node agents (dspark.node.agent.Agent) on loopback, serving states the test sets."""
     states = {
-        "node-a": A.NodeState(node="node-a", rank=0, role="head", state=A.SERVING, vllm_pid=4242,
+        "node-a": NodeState(node="node-a", rank=0, role="head", state=SERVING, vllm_pid=4242,
                               vllm_version="0.28.0", api_url="http://127.0.0.1:1"),
-        "node-b": A.NodeState(node="node-b", rank=1, role="worker", state=A.SERVING, vllm_pid=4343,
+        "node-b": NodeState(node="node-b", rank=1, role="worker", state=SERVING, vllm_pid=4343,
                               vllm_version="0.28.0", restarts=2),
     }
     running = {name: A.Agent("127.0.0.1", 0, st.snapshot).start() for name, st in states.items()}

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dspark import config
-from dspark.config import load
+from dspark.config import validate as config
+from dspark.config.validate import load
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 

@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from dspark import agent as A
+from dspark.node.states import LOADING, NodeState, SERVING, STARTING, STOPPING
+from dspark.dashboard.snapshot_model import Liveness
+from dspark.node import agent as A
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
@@ -67,20 +69,20 @@ def wait(driver, pred, timeout: float = 20) -> dict:
 def page(metrics_stand_in, browser):
     now = time.time()
     states = {
-        "local-head": A.NodeState(node="local-head", rank=0, role="head", state=A.SERVING, vllm_pid=4242,
+        "local-head": NodeState(node="local-head", rank=0, role="head", state=SERVING, vllm_pid=4242,
                                   vllm_version="0.28.0", runtime_line="v0.28.0", restarts=1),
-        "local-worker": A.NodeState(node="local-worker", rank=1, role="worker", state=A.SERVING, vllm_pid=4343,
+        "local-worker": NodeState(node="local-worker", rank=1, role="worker", state=SERVING, vllm_pid=4343,
                                     vllm_version="0.28.0", runtime_line="v0.28.0"),
     }
     head, worker = states["local-head"], states["local-worker"]
     # the head's ring as its supervisor fills it: through set_state's record_state and the hooks
     for st in (head, worker):
-        st.state = A.STARTING
-        for state, detail in [(A.STARTING, f"rank {st.rank} of 2"), (A.LOADING, "loading the model"),
-                              (A.SERVING, "API on http://127.0.0.1:8000")]:
+        st.state = STARTING
+        for state, detail in [(STARTING, f"rank {st.rank} of 2"), (LOADING, "loading the model"),
+                              (SERVING, "API on http://127.0.0.1:8000")]:
             st.record_state(state, detail)
             st.state = state
-    head.liveness = A.Liveness(ok=True, at=now, proof="probe", proof_at=now, proof_detail="1-token completion")
+    head.liveness = Liveness(ok=True, at=now, proof="probe", proof_at=now, proof_detail="1-token completion")
     agents = {name: A.Agent("127.0.0.1", 0, st.snapshot).start() for name, st in states.items()}
     metrics_stand_in.text = scrape_text("a")
     nodes = tuple(C.NodeTarget(name, st.rank, st.role, f"http://127.0.0.1:{agents[name].port}")
@@ -117,8 +119,8 @@ def test_history_charts_requests_memory_and_timeline(page, artifacts_dir):
     # the head drains for a switch: its ring says so, and the page lists it
     head = states["local-head"]
     head.line_switch = {"id": "s-1", "from": "v0.28.0", "to": "v0.32.0", "rollback": False, "at": time.time()}
-    head.record_state(A.STOPPING, "switching to runtime line v0.32.0: draining the requests in flight (up to 60 s)")
-    head.state = A.STOPPING
+    head.record_state(STOPPING, "switching to runtime line v0.32.0: draining the requests in flight (up to 60 s)")
+    head.state = STOPPING
     p = wait(driver, lambda p: p["errorBars"] >= 1 and p["abortBars"] >= 1
              and any(k == "drain" for _, k, _ in p["events"]))
 

@@ -15,7 +15,9 @@ import time
 
 import pytest
 
-from dspark import agent as A
+from dspark.node.states import LOADING, NodeState, SERVING, STOPPED
+from dspark.dashboard.snapshot_model import Liveness
+from dspark.node import agent as A
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
@@ -69,12 +71,12 @@ def bump(text: str, metric: str, by: float) -> str:
 @pytest.fixture
 def page(metrics_stand_in, browser):
     states = {
-        "local-head": A.NodeState(node="local-head", rank=0, role="head", state=A.SERVING, vllm_pid=4242,
+        "local-head": NodeState(node="local-head", rank=0, role="head", state=SERVING, vllm_pid=4242,
                                   vllm_version="0.28.0", runtime_line="v0.28.0", file_line="v0.28.0",
-                                  liveness=A.Liveness(
+                                  liveness=Liveness(
                                       ok=True, at=time.time(), latency_s=0.05, proof="probe",
                                       proof_at=time.time(), proof_detail="1-token completion in 0.05 s")),
-        "local-worker": A.NodeState(node="local-worker", rank=1, role="worker", state=A.SERVING, vllm_pid=4343,
+        "local-worker": NodeState(node="local-worker", rank=1, role="worker", state=SERVING, vllm_pid=4343,
                                     vllm_version="0.28.0", runtime_line="v0.28.0", file_line="v0.28.0"),
     }
     agents = {name: A.Agent("127.0.0.1", 0, st.snapshot).start() for name, st in states.items()}
@@ -138,7 +140,7 @@ def test_idle_says_the_liveness_probe_is_what_moves(page, artifacts_dir):
 def test_down_pair_shows_quiet_dashes_not_red_cells_and_stale_figures(page, artifacts_dir):
     driver, metrics, states, agents = page
     wait(driver, lambda c: c["nodes"].get("local-head", {}).get("vllm_pid") == "4242")
-    states["local-head"].state, states["local-head"].vllm_pid = A.STOPPED, None
+    states["local-head"].state, states["local-head"].vllm_pid = STOPPED, None
     time.sleep(1.5)  # the collector sees "stopped" before the agent goes
     metrics.close()
     agents["local-head"].stop()
@@ -177,7 +179,7 @@ def test_runtime_line_on_every_card_other_line_marked_and_the_switch_shown(page,
     assert ctx["otherLine"] == []  # both still on v0.28.0
 
     # the head drains and restarts on v0.32.0; the worker is still on v0.28.0
-    head.runtime_line, head.state, head.detail = "v0.32.0", A.LOADING, "loading the model on v0.32.0"
+    head.runtime_line, head.state, head.detail = "v0.32.0", LOADING, "loading the model on v0.32.0"
     ctx = wait(driver, lambda c: c["otherLine"] != [])
     driver.save_screenshot(str(artifacts_dir / "dashboard-line-switch.png"))
     assert ctx["otherLine"] == ["local-worker"]
@@ -192,7 +194,7 @@ def test_runtime_line_on_every_card_other_line_marked_and_the_switch_shown(page,
 
     # the worker follows; the verdict is in (kept): one line, no strip, no mark
     worker.runtime_line = "v0.32.0"
-    head.state, head.detail, head.line_switch = A.SERVING, "", None
+    head.state, head.detail, head.line_switch = SERVING, "", None
     ctx = wait(driver, lambda c: c["switching"] is None and c["otherLine"] == [])
     assert lines(ctx) == {"local-head": "v0.32.0", "local-worker": "v0.32.0"} and ctx["line"] == "v0.32.0"
     assert ctx["borders"]["local-worker"] != rgb(ctx["warn"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import time
 
-from dspark import config as C
+from dspark.config import validate as C
 from dspark.dashboard import collector as D
 from standin_lib import write_cluster
 

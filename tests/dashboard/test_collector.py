@@ -7,12 +7,13 @@ import time
 
 import pytest
 
-from dspark import agent as A
-from dspark import vllm_facts as F
+from dspark.node.states import FAILED, LOADING, NodeState, SERVING, STOPPING
+from dspark.node.states import Liveness
+from dspark.engine import facts as F
 from dspark.dashboard import collector as C
-from dspark import hardware
+from dspark.node import hardware
 from dspark.dashboard import rates
-from dspark.dashboard.metrics import Histogram, MetricsError, parse
+from dspark.engine.metrics import Histogram, MetricsError, parse
 
 from .helpers import MetricsStandIn, scrape_text, validate_snapshot
 
@@ -108,7 +109,7 @@ def test_quantile_interpolates_like_prometheus():
 
 def test_spec_decode_figures():
     # vLLM 0.28.0 exposes these counters only with a speculative config; the names are from
-    # dspark.vllm_facts, the values made up for the arithmetic.
+    # dspark.engine.facts, the values made up for the arithmetic.
     extra = "".join(f"# TYPE {name}_total counter\n{name}_total{{engine=\"0\"}} {value}\n"
                     for name, value in ((F.SPEC_DRAFTS, 10), (F.SPEC_DRAFT_TOKENS, 50), (F.SPEC_ACCEPTED_TOKENS, 30)))
     s = parse(scrape_text("b") + extra, at=0.0)
@@ -226,7 +227,7 @@ def test_silent_agent_reads_failed_after_grace(metrics_stand_in):
             if hang.is_set():
                 release.wait(10)
                 return
-            body = json.dumps(A.NodeState(node="n", rank=0, role="head", state=A.SERVING).snapshot()).encode()
+            body = json.dumps(NodeState(node="n", rank=0, role="head", state=SERVING).snapshot()).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -260,8 +261,8 @@ def test_agent_reported_failure_and_orderly_stop(metrics_stand_in, agents):
     states, running = agents
     metrics_stand_in.text = scrape_text("b")
     col = C.Collector(targets(metrics_stand_in.url, running), timeout_s=1.0)
-    states["node-b"].state, states["node-b"].detail = A.FAILED, "vLLM exited with code -9 while serving"
-    states["node-a"].state = A.STOPPING
+    states["node-b"].state, states["node-b"].detail = FAILED, "vLLM exited with code -9 while serving"
+    states["node-a"].state = STOPPING
     snap = col.tick()
     assert snap["nodes"][1]["state"] == "failed" and "-9" in snap["nodes"][1]["detail"]
     running["node-a"].stop()
@@ -309,7 +310,7 @@ def test_one_poller_for_many_clients(metrics_stand_in, agents):
 
 def test_collector_spec_decode_when_present(metrics_stand_in, agents):
     # The local pair runs without speculative decoding; these counters (names from
-    # dspark.vllm_facts, values made up) are appended to a real scrape.
+    # dspark.engine.facts, values made up) are appended to a real scrape.
     def with_spec(drafts, drafted, accepted):
         return scrape_text("b") + "".join(
             f"# TYPE {name}_total counter\n{name}_total{{engine=\"0\"}} {value}\n"
@@ -333,7 +334,7 @@ def test_collector_shows_which_proof_of_life_the_head_used_last(metrics_stand_in
     metrics_stand_in.text = scrape_text("b")
     col = C.Collector(targets(metrics_stand_in.url, running), timeout_s=1.0)
     assert col.tick()["nodes"][0]["liveness"] is None  # no round yet
-    states["node-a"].liveness = A.Liveness(ok=True, at=time.time(), proof="progress", proof_at=time.time() - 3,
+    states["node-a"].liveness = Liveness(ok=True, at=time.time(), proof="progress", proof_at=time.time() - 3,
                                            proof_detail="712 tokens since the last look; 16 running, 17 waiting")
     snap = col.tick()
     validate_snapshot(snap)
@@ -345,7 +346,7 @@ def test_collector_shows_which_proof_of_life_the_head_used_last(metrics_stand_in
 # ------------------------------------------------------------------ runtime lines
 
 def switch_record(frm: str, to: str, *, rollback: bool = False, ago_s: float = 0.0) -> dict:
-    """The head's line_switch as dspark.line_state.Switch.to_json() writes it."""
+    """The head's line_switch as dspark.lines.state.Switch.to_json() writes it."""
     sid = f"20261202T174500Z-{frm if not rollback else to}-to-{to if not rollback else frm}"
     return {"id": sid + ("-rollback" if rollback else ""), "from": frm, "to": to, "at": time.time() - ago_s,
             "rollback": rollback}
@@ -374,7 +375,7 @@ def test_collector_reports_each_nodes_line_and_the_switch(metrics_stand_in, agen
     # dspark switch wrote the head's state: the head drains and comes back on v0.32.0 first,
     # the worker is still on v0.28.0 (it follows once it sees the head's line)
     head.line_switch = switch_record("v0.28.0", "v0.32.0", ago_s=30)
-    head.runtime_line, head.state = "v0.32.0", A.LOADING
+    head.runtime_line, head.state = "v0.32.0", LOADING
     snap = col.tick()
     validate_snapshot(snap)
     assert [(n["runtime_line"], n["other_line"]) for n in snap["nodes"]] == [("v0.32.0", False), ("v0.28.0", True)]
@@ -387,7 +388,7 @@ def test_collector_reports_each_nodes_line_and_the_switch(metrics_stand_in, agen
     assert snap["nodes"][0]["file_line"] == "v0.28.0"  # the cluster file still names the old line
 
     # the worker followed, the verdict is in (kept): one line again, no switch
-    worker.runtime_line, head.state, head.line_switch = "v0.32.0", A.SERVING, None
+    worker.runtime_line, head.state, head.line_switch = "v0.32.0", SERVING, None
     snap = col.tick()
     validate_snapshot(snap)
     assert [n["other_line"] for n in snap["nodes"]] == [False, False]

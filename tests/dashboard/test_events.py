@@ -1,5 +1,5 @@
 """The event timeline: each supervisor keeps a bounded ring of its events in its state
-(dspark.states.NodeState.events, served by its agent), and the dashboard's collector merges
+(dspark.node.states.NodeState.events, served by its agent), and the dashboard's collector merges
 the nodes' rings. Proved on the NodeState itself, then through real `dspark serve` processes with
 the stand-in vLLM: a liveness loss, the restart after it, a drain and the clean stop, read from
 the agent by the real collector."""
@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 
-from dspark import states as S
-from dspark.config import load
+from dspark.node import states as S
+from dspark.config.validate import load
 from dspark.dashboard import collector as C
-from dspark.supervisor import EXIT_DIED, EXIT_OK
+from dspark.node.policy import EXIT_DIED, EXIT_OK
 
 from .helpers import MetricsStandIn, validate_snapshot
 
@@ -82,7 +82,7 @@ def test_liveness_verdicts_and_switches_are_recorded_when_they_change():
 
 def test_the_collector_merges_rings_once_each_and_in_time_order(metrics_stand_in):
     """Two agents whose rings interleave in time; every poll serves the whole ring again."""
-    from dspark import agent as A
+    from dspark.node import agent as A
 
     t0 = time.time() - 100
     head, worker = S.NodeState(node="a", rank=0, role="head"), S.NodeState(node="b", rank=1, role="worker")

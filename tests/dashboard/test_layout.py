@@ -19,8 +19,10 @@ import time
 
 import pytest
 
-from dspark import agent as A
-from dspark import vllm_facts as F
+from dspark.node.states import NodeState, SERVING
+from dspark.dashboard.snapshot_model import Liveness
+from dspark.node import agent as A
+from dspark.engine import facts as F
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
@@ -99,13 +101,13 @@ EVENTS = [("restart", "restart 12; rank 0 of 8; runtime line v0.28.0"),
           ("drain", "switching to runtime line v0.32.0: draining the requests in flight (up to 60 s)")]
 
 
-def node_states(n: int) -> dict[str, A.NodeState]:
+def node_states(n: int) -> dict[str, NodeState]:
     now = time.time()
     states = {}
     for rank in range(n):
         name = f"dgx-spark-{rank + 1:02d}"
         # mid-switch: the head and all but the last worker came back on v0.32.0
-        st = A.NodeState(node=name, rank=rank, role="head" if rank == 0 else "worker", state=A.SERVING,
+        st = NodeState(node=name, rank=rank, role="head" if rank == 0 else "worker", state=SERVING,
                          vllm_pid=4_194_300 + rank, vllm_version="0.28.0", restarts=12,
                          started_at=now - 100_000, state_since=now - 90_000,
                          runtime_line="v0.28.0" if rank == n - 1 else "v0.32.0", file_line="v0.28.0")
@@ -114,7 +116,7 @@ def node_states(n: int) -> dict[str, A.NodeState]:
         if rank == 0:
             st.detail = "serving: API on http://192.168.100.10:8000"
             st.api_url = "http://192.168.100.10:8000"
-            st.liveness = A.Liveness(ok=True, at=now, proof="progress", proof_at=now - 100,
+            st.liveness = Liveness(ok=True, at=now, proof="progress", proof_at=now - 100,
                                      proof_detail="generated tokens moved")
             st.line_switch = {**SWITCH, "at": now - 7_000}
         else:

@@ -1,4 +1,4 @@
-"""The node's memory (dspark.host_memory, in the agent's /state as `memory`) and the finished
+"""The node's memory (dspark.node.host_memory, in the agent's /state as `memory`) and the finished
 requests (rate, errors, aborts from vllm:request_success's finished_reason), through the real
 agent and the real collector; the reasons' values come from a real vLLM 0.28.0 scrape."""
 
@@ -11,9 +11,10 @@ import urllib.request
 
 import pytest
 
-from dspark import agent as A
-from dspark import host_memory
-from dspark import vllm_facts as F
+from dspark.node.states import NodeState, SERVING
+from dspark.node import agent as A
+from dspark.node import host_memory
+from dspark.engine import facts as F
 from dspark.dashboard import collector as C
 from dspark.dashboard import rates
 
@@ -88,7 +89,7 @@ def test_the_agent_serves_memory_and_the_collector_shows_it(metrics_stand_in, ag
                                     {"total_bytes": 10, "used_bytes": 1, "available_bytes": 9, "source": "guess"},
                                     {"total_bytes": True, "used_bytes": 1, "available_bytes": 9, "source": "nvml"}])
 def test_a_memory_of_another_shape_is_not_shown(metrics_stand_in, memory):
-    st = A.NodeState(node="n", rank=0, role="head", state=A.SERVING)
+    st = NodeState(node="n", rank=0, role="head", state=SERVING)
     agent = A.Agent("127.0.0.1", 0, lambda: {**st.snapshot(), "memory": memory}).start()
     try:
         metrics_stand_in.text = scrape_text("a")

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from dspark import vllm_facts as F
+from dspark.engine import facts as F
 from dspark.bench import stats
 from dspark.dashboard import rates
-from dspark.vllm_metrics import parse
+from dspark.engine.metrics import parse
 
 HISTOGRAMS = (F.TTFT, F.ITL, F.E2E)
 

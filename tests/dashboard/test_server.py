@@ -136,8 +136,8 @@ def _cli(*args: str, env=None) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def cluster_file(tmp_path):
-    from dspark.local import prepare
-    from dspark.local import LocalPorts
+    from dspark.local.appliance import prepare
+    from dspark.local.appliance import LocalPorts
 
     return prepare(tmp_path / "local", LocalPorts(api=1, master=2, agent=3))
 

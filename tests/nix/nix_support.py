@@ -51,12 +51,26 @@ def to_nix(value) -> str:
 
 
 def load_script(name: str, relpath: str):
-    """A script of the repository (nix/replay-runtime.py, say) imported as module `name`."""
+    """A script of the repository (nix/lock-runtime.py, say) imported as module `name`."""
     spec = importlib.util.spec_from_file_location(name, REPO / relpath)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_package(name: str, relpath: str):
+    """A package of the repository (nix/replay_runtime, say) imported as package `name` from its
+    folder, with each of its modules (`pkg.plan`, `pkg.elf`, ...): no change to sys.path."""
+    folder = REPO / relpath
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[name] = pkg
+    spec.loader.exec_module(pkg)
+    for module in sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")):
+        importlib.import_module(f"{name}.{module}")
+    return pkg
 
 
 def flake_with_stub(stub) -> str:

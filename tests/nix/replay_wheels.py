@@ -7,11 +7,11 @@ tests/nix/test_replay.py and test_runtime_loads.py replay nix/runtime.nix's buil
 of the default line's locked aarch64 wheels: the ones whose installation or run-time loading
 broke the Nix build or could (NCCL, NVSHMEM, the CUTLASS DSL, torch and the CUDA libraries it
 loads, numpy's OpenBLAS, the two wheels that both install build_backend.py). Together about
-2.7 GB, fetched by name, version and sha256 (nix/replay-runtime.py's fetch: pip with
+2.7 GB, fetched by name, version and sha256 (nix/replay_runtime/wheels.py's fetch: pip with
 --require-hashes, for the nodes' platform) into $DSPARK_WHEEL_CACHE, else the replay's default
 cache. The full replays of each line (tests/nix/test_replay.py, test_replay_lines.py) need every
 locked wheel (about 3.9 GB a line) and some 3 to 4 minutes each; they run only where a developer
-has filled the cache (`python3 nix/replay-runtime.py`).
+has filled the cache (`python3 -m nix.replay_runtime`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nix_support import load_script  # noqa: E402
+from nix_support import load_package  # noqa: E402
 
-rr = load_script("replay_runtime", "nix/replay-runtime.py")
-WHEELS, BUILD = rr.load_plan()
+# The replay's package and its modules: rr.plan, rr.wheels, rr.elf, rr.checks.
+rr = load_package("replay_runtime", "nix/replay_runtime")
+WHEELS, BUILD = rr.plan.load_plan()
 BY_NAME = {w.name: w for w in WHEELS}
-CACHE = Path(os.environ.get("DSPARK_WHEEL_CACHE") or rr.DEFAULT_CACHE)
+# Absolute: the tests run the replay's command in the repository's root.
+CACHE = Path(os.environ.get("DSPARK_WHEEL_CACHE") or rr.plan.DEFAULT_CACHE).absolute()
 
 # Each replay test's wheels (names in the default line's lock), the test named beside them.
 SETS = {
@@ -54,9 +56,9 @@ SETS = {
 # test_torchcodec_needs_ffmpeg_and_is_left_out shows why on this one. It is what pip picked for
 # vLLM 0.28.0's `torchcodec>=0.14` on the nodes' platform when this was written; the hash is
 # the file's own.
-TORCHCODEC = rr.Wheel("torchcodec", "0.17.0",
-                      "torchcodec-0.17.0-cp312-cp312-manylinux_2_27_aarch64.manylinux_2_28_aarch64.whl",
-                      "81655cf25e168e74f27aee29db9fc16e37a9f5b2a188a0f7fe25cdfaab2ddd2e")
+TORCHCODEC = rr.plan.Wheel("torchcodec", "0.17.0",
+                           "torchcodec-0.17.0-cp312-cp312-manylinux_2_27_aarch64.manylinux_2_28_aarch64.whl",
+                           "81655cf25e168e74f27aee29db9fc16e37a9f5b2a188a0f7fe25cdfaab2ddd2e")
 
 
 def wheels_of(*names: str) -> list:
@@ -70,19 +72,19 @@ def wheels_of(*names: str) -> list:
 def subset() -> list:
     """Every wheel the CI replays read: each set's, the installer the build uses, torchcodec."""
     names = {n for group in SETS.values() for n in group}
-    return [*wheels_of(*names), rr.installer_wheel(BUILD), TORCHCODEC]
+    return [*wheels_of(*names), rr.plan.installer_wheel(BUILD), TORCHCODEC]
 
 
 def fetch_all(cache: Path = CACHE, log=lambda msg: print(msg, flush=True)) -> None:
     """Fetch what is missing, set by set, saying what each took; a cached file is hash-checked."""
     started = time.monotonic()
     groups = [(name, wheels_of(*names)) for name, names in SETS.items()]
-    groups.append(("installer and torchcodec", [rr.installer_wheel(BUILD), TORCHCODEC]))
+    groups.append(("installer and torchcodec", [rr.plan.installer_wheel(BUILD), TORCHCODEC]))
     for name, wheels in groups:
         t0 = time.monotonic()
-        missing = rr.missing_from_cache(cache, wheels) if cache.is_dir() else wheels
+        missing = rr.wheels.missing_from_cache(cache, wheels) if cache.is_dir() else wheels
         if missing:
-            rr.fetch(cache, wheels, offline=False, log=lambda _: None)
+            rr.wheels.fetch(cache, wheels, offline=False, log=lambda _: None)
         size = sum((cache / w.filename).stat().st_size for w in wheels)
         said = f"fetched {len(missing)}" if missing else "all cached"
         log(f"  {name}: {len(wheels)} wheels, {size / 1e6:.0f} MB, {said} ({time.monotonic() - t0:.1f} s)")
@@ -96,9 +98,9 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         if argv == ["--check"]:
-            return 1 if not CACHE.is_dir() or rr.missing_from_cache(CACHE, subset()) else 0
+            return 1 if not CACHE.is_dir() or rr.wheels.missing_from_cache(CACHE, subset()) else 0
         fetch_all()
-    except rr.ReplayError as e:
+    except rr.plan.ReplayError as e:
         print(f"replay_wheels: {e}", file=sys.stderr)
         return 2
     return 0

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as dspark_config
-from dspark import credentials, units
+from dspark.config.template import dumps
+from dspark.config.schema import NodeConfig, ServingConfig
+from dspark.config import validate as dspark_config
+from dspark.config import credentials
+from dspark.units.render import render_units
 from nix_support import NixError, to_nix
 
 pytestmark = pytest.mark.nix
@@ -107,7 +110,7 @@ def test_unset_optional_fields_are_left_out_of_the_file(evaluate):
 
 def test_port_defaults_are_those_of_the_cluster_file_schema(evaluate):
     data = evaluate(host("spark-a"))["etc"]["dspark/cluster.toml"]["value"]
-    defaults = {f.name: f.default for f in dataclasses.fields(dspark_config.NodeConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(NodeConfig)}
     for key in ("api_port", "master_port", "agent_port"):
         assert data["nodes"][0][key] == defaults[key], key
 
@@ -334,7 +337,7 @@ def test_a_ring_of_four_evaluates_for_the_head_and_each_worker(evaluate, node):
 
 def test_parallelism_defaults_are_those_of_the_cluster_file_schema(evaluate):
     data = evaluate(host("spark-a"))["etc"]["dspark/cluster.toml"]["value"]
-    defaults = {f.name: f.default for f in dataclasses.fields(dspark_config.ServingConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(ServingConfig)}
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "gpus_per_node"):
         assert data["serving"][key] == defaults[key], key
 
@@ -364,7 +367,7 @@ def test_the_rendered_units_with_the_module_dropin_read_back_by_systemd(evaluate
     exe.chmod(0o755)
     unit_dir = tmp_path / "units"
     unit_dir.mkdir()
-    for name, text in units.render_units(str(exe)).items():
+    for name, text in render_units(str(exe)).items():
         (unit_dir / name).write_text(text)
     dropin = unit_dir / f"{unit}.service.d" / "overrides.conf"
     dropin.parent.mkdir()
@@ -393,7 +396,7 @@ def build_cluster_file(evaluate, host_nix: str, tmp_path) -> subprocess.Complete
     step = out["builtBy"]["dspark/cluster.toml"]
     assert step["runCommandName"] == "cluster.toml" and step["nativeBuildInputs"] == ["dspark-0.1.0"]
     generated = tmp_path / "cluster-unchecked.toml"
-    generated.write_text(dspark_config.dumps(out["etc"]["dspark/cluster.toml"]["value"]))
+    generated.write_text(dumps(out["etc"]["dspark/cluster.toml"]["value"]))
     script = step["buildCommand"].replace(step["input"], str(generated))
     assert step["input"] not in script and str(generated) in script
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/homeless-shelter",

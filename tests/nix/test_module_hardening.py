@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from dspark import units
+from dspark.units.render import render_units
 from test_module import _service_dropin, host
 
 pytestmark = [pytest.mark.nix,
@@ -33,7 +33,7 @@ def test_the_module_relaxes_none_of_the_units_sandbox(evaluate, tmp_path, node, 
     out = evaluate(host(node, apiKeyFile="/run/secrets/dspark-api-key", environmentFile="/run/secrets/dspark.env"))
     unit_dir = tmp_path / "etc" / "systemd" / "system"
     unit_dir.mkdir(parents=True)
-    (unit_dir / f"{unit}.service").write_text(units.render_units("/run/current-system/sw/bin/dspark")[f"{unit}.service"])
+    (unit_dir / f"{unit}.service").write_text(render_units("/run/current-system/sw/bin/dspark")[f"{unit}.service"])
     shipped = exposure(tmp_path, f"{unit}.service")
     dropin = unit_dir / f"{unit}.service.d" / "overrides.conf"
     dropin.parent.mkdir()

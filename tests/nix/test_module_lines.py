@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as dspark_config
-from dspark import runtime_lines
+from dspark.config.template import dumps
+from dspark.config.schema import ServingConfig
+from dspark.config import validate as dspark_config
+from dspark.lines import runtime as runtime_lines
 from nix_support import REPO, nix_eval
 from test_module import host, settings
 
@@ -63,7 +65,7 @@ def dspark(*args: str) -> subprocess.CompletedProcess:
 
 def config_check(tmp_path: Path, data: dict) -> subprocess.CompletedProcess:
     path = tmp_path / "cluster.toml"
-    path.write_text(dspark_config.dumps(data))
+    path.write_text(dumps(data))
     return dspark("config", "check", "--config", str(path))
 
 
@@ -168,7 +170,7 @@ def test_the_modules_default_line_is_dsparks(nix_instantiate, nixpkgs_lib):
         ]; }};
       in evaluated.config.services.dspark.settings.serving.runtime_line""")
     assert out == LINES.default
-    defaults = {f.name: f.default for f in dataclasses.fields(dspark_config.ServingConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(ServingConfig)}
     assert defaults["runtime_line"] == out
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as dspark_config
+from dspark.config import validate as dspark_config
 from dspark import monitoring
 from nix_support import NixError, nix_eval, to_nix
 

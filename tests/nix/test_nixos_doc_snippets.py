@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as dspark_config
+from dspark.config.template import dumps
 from dspark.plan import published
 from nix_support import REPO, nix_eval
 
@@ -169,7 +169,7 @@ def build_cluster_file(report: dict, tmp_path: Path) -> subprocess.CompletedProc
     """The module's build step for /etc/dspark/cluster.toml (dspark config check, then the copy),
     run on the file the evaluation generated, with this checkout's dspark."""
     generated = tmp_path / "cluster-unchecked.toml"
-    generated.write_text(dspark_config.dumps(report["cluster"]))
+    generated.write_text(dumps(report["cluster"]))
     script = report["step"]["buildCommand"].replace(report["step"]["input"], str(generated))
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/homeless-shelter",
            "out": str(tmp_path / "out"), "LANG": "C.UTF-8"}

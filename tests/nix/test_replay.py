@@ -1,10 +1,10 @@
-"""nix/replay-runtime.py: the runtime's build replayed on the real locked wheels, without nixpkgs.
+"""nix/replay_runtime: the runtime's build replayed on the real locked wheels, without nixpkgs.
 
 Each failure the Nix build had is reproduced on the wheels involved with the build data it had
 (runtime-build.json before the fix), and shown gone with the data as it is now. Those wheels
 (tests/nix/replay_wheels.py's sets, about 2.7 GB) are fetched by .ci/setup into
 $DSPARK_WHEEL_CACHE, else the replay's default cache directory. The full replay needs every
-locked wheel (about 3.9 GB, `python3 nix/replay-runtime.py` fills the cache) and runs only where
+locked wheel (about 3.9 GB, `python3 -m nix.replay_runtime` fills the cache) and runs only where
 they are cached. The small tests at the end run everywhere, on wheels they build.
 """
 
@@ -38,7 +38,7 @@ def cached(*names: str) -> list:
 
 
 def installer() -> Path:
-    path = CACHE / rr.installer_wheel(BUILD).filename
+    path = CACHE / rr.plan.installer_wheel(BUILD).filename
     if not path.is_file():
         pytest.skip(f"installer {BUILD['installer']['version']} not cached in {CACHE}; fetch it with "
                     f"`.venv/bin/python tests/nix/replay_wheels.py` (.ci/setup does)")
@@ -59,27 +59,27 @@ def clean_env() -> dict:
 
 def test_build_backend_clash_reproduced_and_fixed(tmp_path):
     wheels = cached(*SETS["build_backend.py clash"])
-    clashes = rr.find_clashes(wheels, CACHE, before_the_fix())
+    clashes = rr.wheels.find_clashes(wheels, CACHE, before_the_fix())
     assert clashes == ["build_backend.py: installed by flashinfer-python and torch-c-dlpack-ext"]
     # installer itself refuses, as it did in the Nix build.
-    errors = rr.install(tmp_path / "old", wheels, CACHE, before_the_fix(), installer(), log=lambda _: None)
+    errors = rr.wheels.install(tmp_path / "old", wheels, CACHE, before_the_fix(), installer(), log=lambda _: None)
     assert len(errors) == 1 and "build_backend.py" in errors[0] and "exists" in errors[0]
-    assert rr.find_clashes(wheels, CACHE, BUILD) == []
-    assert rr.install(tmp_path / "new", wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+    assert rr.wheels.find_clashes(wheels, CACHE, BUILD) == []
+    assert rr.wheels.install(tmp_path / "new", wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
 
 
 def test_nvshmem_plugins_needing_mpi_ucx_libfabric_reproduced_and_fixed(tmp_path):
     wheels = cached(*SETS["NVSHMEM"])
     old = tmp_path / "old"
-    assert rr.install(old, wheels, CACHE, before_the_fix(), installer(), log=lambda _: None) == []
-    missing = {line.rsplit(": ", 1)[1] for line in rr.unresolved_needed(rr.elf_objects(old), old, BUILD)}
+    assert rr.wheels.install(old, wheels, CACHE, before_the_fix(), installer(), log=lambda _: None) == []
+    missing = {line.rsplit(": ", 1)[1] for line in rr.checks.unresolved_needed(rr.elf.elf_objects(old), old, BUILD)}
     assert missing == {"libfabric.so.1", "libmpi.so.40", "liboshmem.so.40", "libpmix.so.2",
                        "libucp.so.0", "libucs.so.0"}
     new = tmp_path / "new"
-    assert rr.install(new, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
-    assert rr.unresolved_needed(rr.elf_objects(new), new, BUILD) == []
+    assert rr.wheels.install(new, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+    assert rr.checks.unresolved_needed(rr.elf.elf_objects(new), new, BUILD) == []
     # torch bootstraps NVSHMEM by unique id: that plugin and the IB transports stay.
-    libdir = rr.site_packages(new) / "nvidia/nvshmem/lib"
+    libdir = rr.wheels.site_packages(new) / "nvidia/nvshmem/lib"
     assert (libdir / "nvshmem_bootstrap_uid.so.3").is_file()
     assert (libdir / "nvshmem_transport_ibrc.so.3").is_file()
 
@@ -92,37 +92,38 @@ def test_torchcodec_needs_ffmpeg_and_is_left_out(tmp_path):
         pytest.skip(f"torchcodec {TORCHCODEC.version} not cached in {CACHE} to show why it is left out; fetch it "
                     f"with `.venv/bin/python tests/nix/replay_wheels.py` (.ci/setup does)")
     prefix = tmp_path / "tc"
-    errors = rr.install(prefix, [TORCHCODEC], CACHE, BUILD, installer(), log=lambda _: None)
+    errors = rr.wheels.install(prefix, [TORCHCODEC], CACHE, BUILD, installer(), log=lambda _: None)
     assert errors == []
-    missing = {line.rsplit(": ", 1)[1] for line in rr.unresolved_needed(rr.elf_objects(prefix), prefix, BUILD)}
+    unresolved = rr.checks.unresolved_needed(rr.elf.elf_objects(prefix), prefix, BUILD)
+    missing = {line.rsplit(": ", 1)[1] for line in unresolved}
     assert "libavcodec.so.60" in missing and "libheif.so.1" in missing
 
 
 def test_cutlass_dsl_pth_reproduced_with_pythonpath_and_fixed_by_the_venv(tmp_path):
     wheels = cached(*SETS["CUTLASS DSL"])
     prefix = tmp_path / "rt"
-    assert rr.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
-    site = rr.site_packages(prefix)
+    assert rr.wheels.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+    site = rr.wheels.site_packages(prefix)
     # The old wrappers: the bare interpreter with PYTHONPATH, which never reads .pth files.
-    old = rr.pth_imports(site, Path(sys.executable).resolve(), dict(clean_env(), PYTHONPATH=str(site)))
+    old = rr.checks.pth_imports(site, Path(sys.executable).resolve(), dict(clean_env(), PYTHONPATH=str(site)))
     assert len(old) == 1 and old[0].startswith("nvidia_cutlass_dsl_packages.pth") and "`import cutlass`" in old[0]
     # The runtime's interpreter now: bin/python of a venv prefix.
-    assert rr.pth_imports(site, prefix / "bin" / "python", clean_env()) == []
+    assert rr.checks.pth_imports(site, prefix / "bin" / "python", clean_env()) == []
 
 
 def test_strip_misaligns_openblas_and_gfortran_reproduced_and_fixed(tmp_path):
     wheels = cached(*SETS["numpy"])
-    if rr.strip_tool() is None:
+    if rr.checks.strip_tool() is None:
         pytest.skip("no aarch64 strip (apt-get install binutils-aarch64-linux-gnu)")
     prefix = tmp_path / "np"
-    assert rr.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
-    elves = rr.elf_objects(prefix)
-    broken = rr.strip_breaks(elves, prefix, before_the_fix())
+    assert rr.wheels.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+    elves = rr.elf.elf_objects(prefix)
+    broken = rr.checks.strip_breaks(elves, prefix, before_the_fix())
     names = sorted(Path(b.split(":")[0]).name.split("-")[0] for b in broken)
     assert names == ["libgfortran", "libscipy_openblas64_"], broken
     assert all("after strip -S" in b for b in broken)
     assert BUILD["strip"] is False
-    assert rr.strip_breaks(elves, prefix, BUILD) == []
+    assert rr.checks.strip_breaks(elves, prefix, BUILD) == []
 
 
 def test_torch_and_the_cuda_libraries_it_loads_resolve_at_run_time(tmp_path):
@@ -132,18 +133,18 @@ def test_torch_and_the_cuda_libraries_it_loads_resolve_at_run_time(tmp_path):
     shown needed: without it, the loads it answers are unresolved."""
     wheels = cached(*SETS["torch"])
     prefix = tmp_path / "torch"
-    assert rr.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
-    elves = rr.elf_objects(prefix)
-    assert rr.unresolved_needed(elves, prefix, BUILD) == []
+    assert rr.wheels.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+    elves = rr.elf.elf_objects(prefix)
+    assert rr.checks.unresolved_needed(elves, prefix, BUILD) == []
 
     def unresolved(build: dict) -> set[str]:
         # "lib/pythonX.Y/site-packages/nvidia/...: libfoo.so" -> "nvidia/...: libfoo.so"
-        return {u.split("site-packages/", 1)[1] for u in rr.check_runtime_loads(elves, prefix, build).unresolved}
+        return {u.split("site-packages/", 1)[1] for u in rr.checks.check_runtime_loads(elves, prefix, build).unresolved}
 
-    now = rr.check_runtime_loads(elves, prefix, BUILD)
+    now = rr.checks.check_runtime_loads(elves, prefix, BUILD)
     assert now.unresolved == []
     resolved = {r.split("site-packages/", 1)[1] for r in now.resolved}
-    site = rr.site_packages(prefix).relative_to(prefix)
+    site = rr.wheels.site_packages(prefix).relative_to(prefix)
     assert {f"nvidia/cudnn/lib/libcudnn.so.9: libcudnn_graph.so -> {site}/nvidia/cudnn/lib",
             "nvidia/nccl/lib/libnccl.so.2: libibverbs.so.1 / libibverbs.so -> nixpkgs rdma-core",
             "torch/lib/libtorch_cuda.so: libibverbs.so.1 -> nixpkgs rdma-core",
@@ -187,12 +188,12 @@ def test_full_replay_of_the_lock_is_clean(tmp_path):
     missing = [w.name for w in WHEELS if not (CACHE / w.filename).is_file()]
     if missing:
         pytest.skip(f"{len(missing)} of the {len(WHEELS)} locked wheels not cached in {CACHE} (first: {missing[0]}): "
-                    f"the full replay runs where a developer fetched them all with `python3 nix/replay-runtime.py "
+                    f"the full replay runs where a developer fetched them all with `python3 -m nix.replay_runtime "
                     f"--cache {CACHE}` (about 3.9 GB), not in CI; or set DSPARK_WHEEL_CACHE")
     installer()
-    proc = subprocess.run([sys.executable, str(REPO / "nix/replay-runtime.py"), "--cache", str(CACHE),
+    proc = subprocess.run([sys.executable, "-m", "nix.replay_runtime", "--cache", str(CACHE),
                            "--offline", "--prefix", str(tmp_path / "runtime"), "--json", str(tmp_path / "r.json")],
-                          capture_output=True, text=True, timeout=1800)
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["ok"] is True and report["wheels"] == len(WHEELS)
@@ -218,34 +219,34 @@ def make_wheel(path: Path, name: str, files: dict[str, str], pth: str | None = N
 def test_a_clash_is_reported_for_wheels_built_here(tmp_path):
     a = make_wheel(tmp_path, "alpha", {"shared.py": "A = 1\n", "alpha/__init__.py": ""})
     b = make_wheel(tmp_path, "beta", {"shared.py": "B = 1\n", "beta/__init__.py": ""})
-    wheels = [rr.Wheel("alpha", "1.0", a.name, ""), rr.Wheel("beta", "1.0", b.name, "")]
-    assert rr.find_clashes(wheels, tmp_path, {"remove_after_install": []}) == [
+    wheels = [rr.plan.Wheel("alpha", "1.0", a.name, ""), rr.plan.Wheel("beta", "1.0", b.name, "")]
+    assert rr.wheels.find_clashes(wheels, tmp_path, {"remove_after_install": []}) == [
         "shared.py: installed by alpha and beta"]
     fixed = {"remove_after_install": [{"package": "alpha", "paths": ["shared.py"], "why": "test"}]}
-    assert rr.find_clashes(wheels, tmp_path, fixed) == []
+    assert rr.wheels.find_clashes(wheels, tmp_path, fixed) == []
 
 
 def test_unresolved_needed_names_the_object_and_the_library(tmp_path):
     # An aarch64 shared object needing one library the build provides and one it does not.
     prefix = tmp_path / "p"
     (prefix / "lib").mkdir(parents=True)
-    obj = rr.Elf(prefix / "lib" / "libx.so", rr.EM_AARCH64, 3, needed=["libz.so.1", "libnope.so.9"])
-    assert rr.unresolved_needed([obj], prefix, BUILD) == ["lib/libx.so: libnope.so.9"]
-    driver = rr.Elf(prefix / "lib" / "liby.so", rr.EM_AARCH64, 3, needed=["libcuda.so.1"])
-    assert rr.unresolved_needed([driver], prefix, BUILD) == []
+    obj = rr.elf.Elf(prefix / "lib" / "libx.so", rr.elf.EM_AARCH64, 3, needed=["libz.so.1", "libnope.so.9"])
+    assert rr.checks.unresolved_needed([obj], prefix, BUILD) == ["lib/libx.so: libnope.so.9"]
+    driver = rr.elf.Elf(prefix / "lib" / "liby.so", rr.elf.EM_AARCH64, 3, needed=["libcuda.so.1"])
+    assert rr.checks.unresolved_needed([driver], prefix, BUILD) == []
 
 
 def test_read_elf_on_a_real_object():
-    elf = rr.read_elf(Path(sys.executable).resolve())
+    elf = rr.elf.read_elf(Path(sys.executable).resolve())
     assert elf is not None and elf.type in (2, 3) and elf.loads
     libc = next(p for p in [Path("/lib/x86_64-linux-gnu/libc.so.6"), Path("/lib/aarch64-linux-gnu/libc.so.6")]
                 if p.exists())
-    assert rr.read_elf(libc.resolve()).soname == "libc.so.6"
-    assert rr.misaligned(rr.read_elf(libc.resolve())) is None
+    assert rr.elf.read_elf(libc.resolve()).soname == "libc.so.6"
+    assert rr.checks.misaligned(rr.elf.read_elf(libc.resolve())) is None
 
 
 def test_bad_input_is_one_line_not_a_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "nix/replay-runtime.py"), "--cache", str(tmp_path / "empty"),
-                           "--offline"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "nix.replay_runtime", "--cache", str(tmp_path / "empty"),
+                           "--offline"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.startswith("replay-runtime: ") and "not in" in proc.stderr and "Traceback" not in proc.stderr

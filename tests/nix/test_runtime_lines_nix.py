@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark import runtime_lines
-from dspark.overlay import read_series, touched_files
+from dspark.lines import runtime as runtime_lines
+from dspark.lines.overlay import read_series, touched_files
 from nix_support import REPO, NixError, flake_with_stub, nix_eval, run_nix
 from replay_wheels import rr
 
@@ -67,7 +67,7 @@ def line_runtime(nix_instantiate, stub: Path, line: str, expr: str, stored: bool
 # ------------------------------------------------------------------ the lines, as Nix reads them
 def test_lines_nix_is_the_data_every_locked_line_with_its_lock_and_series(nix_instantiate):
     """nix/lines.nix reads runtime_lines.toml itself (builtins only): the same lines, default, locks
-    and series as dspark.runtime_lines and the replay read."""
+    and series as dspark.lines.runtime and the replay read."""
     out = nix_eval_stored(nix_instantiate, "import ./nix/lines.nix")
     assert out["default"] == LINES.default == "v0.28.0"
     assert sorted(out["lines"]) == LOCKED and {"v0.28.0", "v0.32.0"} <= set(LOCKED)
@@ -84,7 +84,7 @@ def test_lines_nix_is_the_data_every_locked_line_with_its_lock_and_series(nix_in
         assert sha256(nix_line["requirements"]) == sha256(REPO / line.requirements)
         names = [p["name"] for p in nix_line["series"]]
         assert names == list(line.series), line_id
-        replay = rr.load_line(line_id)
+        replay = rr.plan.load_line(line_id)
         assert replay.lock == REPO / line.lock and replay.vllm == line.vllm
         assert [p.name for p in replay.series] == names
         for patch, path in zip(nix_line["series"], replay.series):
@@ -94,7 +94,7 @@ def test_lines_nix_is_the_data_every_locked_line_with_its_lock_and_series(nix_in
             assert [sha256(p["path"]) for p in nix_line["series"]] == [sha256(p) for p in read_series(REPO / series_file)]
     # The default line's series is the overlay's own series file, in its order.
     assert [p["name"] for p in out["lines"]["v0.28.0"]["series"]] == [p.name for p in read_series(REPO / "overlay")]
-    assert rr.load_line().id == LINES.default
+    assert rr.plan.load_line().id == LINES.default
 
 
 def test_a_series_file_is_read_as_dspark_overlay_reads_it(nix_instantiate, tmp_path):
@@ -126,13 +126,13 @@ def test_a_series_file_is_read_as_dspark_overlay_reads_it(nix_instantiate, tmp_p
         series = out["lines"][line_id]["series"]
         assert [p["name"] for p in series] == [Path(r).name for r in rels]
         assert [Path(p["path"]).read_text() for p in series] == [f"{r}\n" for r in rels]  # the file itself
-        replay = rr.load_line(line_id, repo / "src/dspark/data/runtime_lines.toml", repo)
+        replay = rr.plan.load_line(line_id, repo / "src/dspark/data/runtime_lines.toml", repo)
         assert list(replay.series) == [repo / r for r in rels]
     (repo / "overlay/lines/b/series").write_text("0004-gone.patch\n")
     with pytest.raises(NixError, match="names 0004-gone.patch, which is not there"):
         nix_eval_stored(nix_instantiate, f"(import {repo}/nix/lines.nix).lines.b.series")
-    with pytest.raises(rr.ReplayError, match="0004-gone.patch, which is not there"):
-        rr.load_line("b", repo / "src/dspark/data/runtime_lines.toml", repo)
+    with pytest.raises(rr.plan.ReplayError, match="0004-gone.patch, which is not there"):
+        rr.plan.load_line("b", repo / "src/dspark/data/runtime_lines.toml", repo)
 
 
 # ------------------------------------------------------------------ the flake's outputs
@@ -214,7 +214,7 @@ def site_of(version: str) -> Path | None:
     site = os.environ.get(f"DSPARK_VLLM_{version.replace('.', '')[:3]}_SITE")
     if site:
         return Path(site)
-    from dspark.local import lines_dir
+    from dspark.local.appliance import lines_dir
 
     found = sorted((lines_dir() / f"v{version}").glob("lib/python3*/site-packages"))
     return found[0] if found else None
@@ -272,16 +272,16 @@ def test_the_builds_overlay_step_applies_the_lines_series_to_its_vllm(nix_instan
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == f"applied {len(line.series)} patches: " + ", ".join(line.series)
     changed = {rel for rel, h in digests(site).items() if before.get(rel) != h}
-    patches = rr.load_line(line_id).series  # each from overlay/lines/<id>/ or overlay/, as nix/lines.nix
+    patches = rr.plan.load_line(line_id).series  # each from overlay/lines/<id>/ or overlay/, as nix/lines.nix
     touched = {rel for patch in patches for rel in touched_files(patch)}
     assert changed and changed <= touched
-    # The tree now carries exactly the line's series: it reverses cleanly, in dspark.overlay's own check.
+    # The tree now carries exactly the line's series: it reverses cleanly, in dspark.lines.overlay's own check.
     overlay_dir = tmp_path / "series"
     overlay_dir.mkdir()
     for patch in patches:
         (overlay_dir / patch.name).symlink_to(patch)
     (overlay_dir / "series").write_text("\n".join(line.series) + "\n")
-    from dspark import overlay
+    from dspark.lines import overlay
 
     assert overlay.is_applied(site, overlay_dir)
 
@@ -289,7 +289,7 @@ def test_the_builds_overlay_step_applies_the_lines_series_to_its_vllm(nix_instan
 @pytest.mark.parametrize("line_id, other", [("v0.28.0", "0.32.0"), ("v0.32.0", "0.28.0")])
 def test_a_lines_build_refuses_another_releases_vllm(nix_instantiate, stub, tmp_path, line_id, other):
     """The version the tree must hold is the line's: a lock that installed another vLLM stops the
-    build with dspark.overlay's message, and nothing is patched."""
+    build with dspark.lines.overlay's message, and nothing is patched."""
     out, site = stage_prefix(tmp_path, tree(other))
     before = digests(site)
     r = run_overlay_step(nix_instantiate, stub, line_id, out)

@@ -1,7 +1,7 @@
 """Libraries the runtime loads itself (dlopen by soname, outside DT_NEEDED) and the RPATH the Nix
 build gives each object.
 
-nix/replay-runtime.py checks every soname an object names in its strings or .note.dlopen table
+nix/replay_runtime/checks.py checks every soname an object names in its strings or .note.dlopen table
 against the RPATH autoPatchelf leaves it. Here: that check on objects built here (everywhere), on
 the locked NCCL wheel (where the wheels are cached), the real dynamic loader resolving a
 dlopen'd soname through the RPATH the build gives and through nothing else (gcc, patchelf and
@@ -28,7 +28,7 @@ from test_replay import BUILD, CACHE, cached, installer, rr
 pytestmark = pytest.mark.nix
 
 DEBIAN_RDMA = REPO / ".venv/pinned/debian-rdma-core/lib"
-HOST_MACHINE = rr.read_elf(Path(sys.executable).resolve()).machine
+HOST_MACHINE = rr.elf.read_elf(Path(sys.executable).resolve()).machine
 
 
 def without_append_runpath() -> dict:
@@ -75,10 +75,11 @@ def test_strings_and_dlopen_notes_are_read_from_a_built_object(tmp_path):
     need("gcc")
     obj = build_object(tmp_path, tmp_path / "p/lib/libnet.so.2", "libnet.so.2",
                        ["libibverbs.so", "libibverbs.so.1", "libmlx5.so.1", "libcuda.so.1"])
-    assert {"libibverbs.so", "libibverbs.so.1", "libmlx5.so.1", "libcuda.so.1", "libnet.so.2"} <= rr.named_sonames(obj)
+    names = rr.elf.named_sonames(obj)
+    assert {"libibverbs.so", "libibverbs.so.1", "libmlx5.so.1", "libcuda.so.1", "libnet.so.2"} <= names
     # A name inside a message is not a name the object loads.
     msg = build_object(tmp_path, tmp_path / "m/libmsg.so", "libmsg.so", ["Failed to open libgdrapi.so.2"])
-    assert "libgdrapi.so.2" not in rr.named_sonames(msg)
+    assert "libgdrapi.so.2" not in rr.elf.named_sonames(msg)
     # A .note.dlopen table (systemd's ELF dlopen metadata), added with objcopy when there is one.
     if shutil.which("objcopy"):
         note = tmp_path / "note.bin"
@@ -88,7 +89,7 @@ def test_strings_and_dlopen_notes_are_read_from_a_built_object(tmp_path):
                          + (0x407C0C0A).to_bytes(4, "little") + b"FDO\0" + desc)
         subprocess.run(["objcopy", "--add-section", f".note.dlopen={note}",
                         "--set-section-flags", ".note.dlopen=alloc,readonly", str(obj)], check=True, timeout=60)
-        assert rr.read_elf(obj).dlopen_notes == [["libfoo.so.3", "libfoo.so.2"]]
+        assert rr.elf.read_elf(obj).dlopen_notes == [["libfoo.so.3", "libfoo.so.2"]]
 
 
 def test_nccl_shaped_object_fails_before_the_fix_and_resolves_with_append_runpath(tmp_path):
@@ -98,13 +99,13 @@ def test_nccl_shaped_object_fails_before_the_fix_and_resolves_with_append_runpat
     prefix = tmp_path / "p"
     build_object(tmp_path, prefix / "nvidia/nccl/lib/libnccl.so.2", "libnccl.so.2",
                  ["libibverbs.so", "libibverbs.so.1", "libmlx5.so.1", "libcuda.so.1", "libnvidia-ml.so.1"])
-    elves = rr.elf_objects(prefix)
-    before = rr.check_runtime_loads(elves, prefix, without_append_runpath(), machine=HOST_MACHINE)
+    elves = rr.elf.elf_objects(prefix)
+    before = rr.checks.check_runtime_loads(elves, prefix, without_append_runpath(), machine=HOST_MACHINE)
     assert before.unresolved == ["nvidia/nccl/lib/libnccl.so.2: libibverbs.so.1 / libibverbs.so",
                                  "nvidia/nccl/lib/libnccl.so.2: libmlx5.so.1"]
     assert before.driver == ["nvidia/nccl/lib/libnccl.so.2: libcuda.so.1",
                              "nvidia/nccl/lib/libnccl.so.2: libnvidia-ml.so.1"]
-    after = rr.check_runtime_loads(elves, prefix, BUILD, machine=HOST_MACHINE)
+    after = rr.checks.check_runtime_loads(elves, prefix, BUILD, machine=HOST_MACHINE)
     assert after.unresolved == []
     assert after.resolved == ["nvidia/nccl/lib/libnccl.so.2: libibverbs.so.1 / libibverbs.so -> nixpkgs rdma-core",
                               "nvidia/nccl/lib/libnccl.so.2: libmlx5.so.1 -> nixpkgs rdma-core"]
@@ -120,17 +121,18 @@ def test_a_dlopen_resolves_through_the_directory_of_a_resolved_needed(tmp_path):
     build_object(tmp_path, prefix / "a/libsib.so.1", "libsib.so.1", ["libnothing.so.9"])
     build_object(tmp_path, prefix / "b/libfar.so.1", "libfar.so.1", ["libnothing.so.9"])
     build_object(tmp_path, prefix / "c/libuser.so", "libuser.so", ["libsib.so.1", "libfar.so.1"], links=[dep])
-    elves = rr.elf_objects(prefix)
+    elves = rr.elf.elf_objects(prefix)
     user = next(e for e in elves if e.path.name == "libuser.so")
     assert "libdep.so.1" in user.needed
-    check = rr.check_runtime_loads([user], prefix, BUILD, machine=HOST_MACHINE)
+    check = rr.checks.check_runtime_loads([user], prefix, BUILD, machine=HOST_MACHINE)
     assert check.resolved == ["c/libuser.so: libsib.so.1 -> a"]
     assert check.unresolved == ["c/libuser.so: libfar.so.1"]
     listed = copy.deepcopy(BUILD)
     listed.setdefault("dlopen_absent", []).append({"sonames": ["libfar.so.1"], "objects": ["/libother.so"], "why": "test"})
-    assert rr.check_runtime_loads([user], prefix, listed, machine=HOST_MACHINE).unresolved == ["c/libuser.so: libfar.so.1"]
+    check = rr.checks.check_runtime_loads([user], prefix, listed, machine=HOST_MACHINE)
+    assert check.unresolved == ["c/libuser.so: libfar.so.1"]
     listed["dlopen_absent"][-1]["objects"] = ["/libuser.so"]
-    check = rr.check_runtime_loads([user], prefix, listed, machine=HOST_MACHINE)
+    check = rr.checks.check_runtime_loads([user], prefix, listed, machine=HOST_MACHINE)
     assert check.unresolved == [] and check.absent == ["c/libuser.so: libfar.so.1"]
 
 
@@ -172,7 +174,7 @@ def test_the_loader_finds_rdma_core_only_through_the_rpath_the_build_gives(tmp_p
 
     def runpath(build: dict) -> str:
         dirs = {"driver": BUILD["driver_search_dirs"][0], "nixpkgs rdma-core": str(rdma), "$ORIGIN": "$ORIGIN"}
-        return ":".join(dirs[d] for d in rr.build_runpaths(build))
+        return ":".join(dirs[d] for d in rr.checks.build_runpaths(build))
 
     results = {}
     for label, build in (("before", without_append_runpath()), ("after", BUILD)):
@@ -199,17 +201,17 @@ def test_the_loader_finds_rdma_core_only_through_the_rpath_the_build_gives(tmp_p
 def test_locked_nccl_dlopens_ibverbs_and_mlx5_and_the_build_now_resolves_them(tmp_path):
     wheels = cached("nvidia-nccl-cu13")
     prefix = tmp_path / "nccl"
-    assert rr.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
-    elves = rr.elf_objects(prefix)
+    assert rr.wheels.install(prefix, wheels, CACHE, BUILD, installer(), log=lambda _: None) == []
+    elves = rr.elf.elf_objects(prefix)
     nccl = next(e for e in elves if e.path.name == "libnccl.so.2")
     assert not {"libibverbs.so.1", "libmlx5.so.1"} & set(nccl.needed)
-    site = rr.site_packages(prefix).relative_to(prefix)
+    site = rr.wheels.site_packages(prefix).relative_to(prefix)
     rel = f"{site}/nvidia/nccl/lib/libnccl.so.2"
-    before = rr.check_runtime_loads(elves, prefix, without_append_runpath())
+    before = rr.checks.check_runtime_loads(elves, prefix, without_append_runpath())
     # NCCL tries the unversioned name first, then the versioned one ("libibverbs.so[.1]").
     assert f"{rel}: libibverbs.so.1 / libibverbs.so" in before.unresolved
     assert f"{rel}: libmlx5.so.1 / libmlx5.so" in before.unresolved
-    after = rr.check_runtime_loads(elves, prefix, BUILD)
+    after = rr.checks.check_runtime_loads(elves, prefix, BUILD)
     assert after.unresolved == []
     assert f"{rel}: libibverbs.so.1 / libibverbs.so -> nixpkgs rdma-core" in after.resolved
     assert f"{rel}: libmlx5.so.1 / libmlx5.so -> nixpkgs rdma-core" in after.resolved
@@ -229,4 +231,4 @@ def test_runtime_nix_appends_rdma_core_to_every_runpath(nix_instantiate, nixpkgs
       in drv.appendRunpaths""")
     # The replay's model of the same list (build_runpaths), in the same order.
     assert out == ["/run/opengl-driver/lib", "/nix/store/00000000000000000000000000000000-rdma-core/lib", "$ORIGIN"]
-    assert rr.build_runpaths(BUILD) == ["driver", "nixpkgs rdma-core", "$ORIGIN"]
+    assert rr.checks.build_runpaths(BUILD) == ["driver", "nixpkgs rdma-core", "$ORIGIN"]

@@ -95,7 +95,7 @@ def test_wheels_fit_the_nodes():
 
 
 def test_pins_the_release_the_overlay_is_written_for():
-    overlay_pin = re.search(r'SUPPORTED_VLLM_VERSION = "([^"]+)"', (REPO / "src/dspark/overlay.py").read_text())
+    overlay_pin = re.search(r'SUPPORTED_VLLM_VERSION = "([^"]+)"', (REPO / "src/dspark/lines/overlay.py").read_text())
     assert PACKAGES["vllm"]["version"] == "0.28.0" == overlay_pin.group(1)
     # The aarch64 wheel of vLLM 0.28.0 as published (shared/reference/runtime-pins.md).
     assert PACKAGES["vllm"]["sha256"] == "817b8181f7f61b4a62dc1d5d9ab39f2bfb60a6cb86c29879a78a147b85756787"

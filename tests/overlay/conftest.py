@@ -76,8 +76,8 @@ def stock_site(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def patched_site(stock_site, tmp_path_factory) -> Path:
-    """A copy of the tree with the whole series applied by dspark.overlay."""
-    from dspark.overlay import apply_series
+    """A copy of the tree with the whole series applied by dspark.lines.overlay."""
+    from dspark.lines.overlay import apply_series
 
     site = tmp_path_factory.mktemp("patched")
     shutil.copytree(stock_site, site, dirs_exist_ok=True)
@@ -98,11 +98,11 @@ SITE_032_ENV = "DSPARK_VLLM_032_SITE"
 
 def line_site(line: str = LINE_032) -> Path | None:
     """The line's vLLM tree: the site directory DSPARK_VLLM_032_SITE names, else the line's CPU
-    build that .ci/setup installs beside .venv (dspark.local.lines_dir()/<line>)."""
+    build that .ci/setup installs beside .venv (dspark.local.appliance.lines_dir()/<line>)."""
     named = os.environ.get(SITE_032_ENV)
     if named:
         return Path(named)
-    from dspark.local import lines_dir
+    from dspark.local.appliance import lines_dir
 
     found = sorted((lines_dir() / line).glob("lib/python3*/site-packages"))
     return found[0] if found and (found[0] / "vllm").is_dir() else None
@@ -135,8 +135,8 @@ def python_032() -> Path | str:
 
 @pytest.fixture(scope="session")
 def patched_site_032(stock_site_032, tmp_path_factory) -> Path:
-    """A copy of the 0.32.0 tree with the v0.32.0 line's series applied by dspark.overlay."""
-    from dspark.overlay import apply_series, line_series
+    """A copy of the 0.32.0 tree with the v0.32.0 line's series applied by dspark.lines.overlay."""
+    from dspark.lines.overlay import apply_series, line_series
 
     site = tmp_path_factory.mktemp("patched032")
     shutil.copytree(stock_site_032, site, dirs_exist_ok=True)
@@ -160,13 +160,14 @@ def rendered_032(tmp_path_factory) -> dict:
     the speculative tokens and max_num_seqs."""
     import tomllib
 
-    from dspark import config as C
-    from dspark.render import vllm_argv
+    from dspark.config.template import dumps
+    from dspark.config import validate as C
+    from dspark.node.launch import vllm_argv
 
     data = tomllib.loads((REPO / "tests" / "fixtures" / "cluster-two-node.toml").read_text())
     data["serving"]["runtime_line"] = LINE_032
     path = tmp_path_factory.mktemp("rendered032") / "cluster.toml"
-    path.write_text(C.dumps(data))
+    path.write_text(dumps(data))
     cluster = C.load(path)
     argv = vllm_argv(cluster, cluster.head)
     return {"sizes": _flag_values(argv, "--cudagraph-capture-sizes"),

@@ -54,8 +54,8 @@ DRAFT_MOE_LAYERS = 1
 
 def serving_args(cluster_path: str):
     """The head's vLLM arguments as vLLM's own serve parser reads them."""
-    from dspark import config as dc
-    from dspark import render
+    from dspark.config import validate as dc
+    from dspark.node import launch as render
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -6,7 +6,7 @@ so that what the local pair measures is what the GB10 nodes run. The overlay's c
 stock trees (a whole series applied to them, checks that must fail on stock vLLM): every copy
 they take of an installed tree goes through `make_stock`, which reverses the local series
 where the copy carries it and then compares each file it touched with the sha256 its wheel's
-RECORD gives. Standard library and dspark.overlay only: benchmarks and the Nix tests load
+RECORD gives. Standard library and dspark.lines.overlay only: benchmarks and the Nix tests load
 this file by path.
 """
 
@@ -50,7 +50,7 @@ def make_stock(site: Path) -> list[str]:
     carries it; return the names of the patches reversed. Raises RuntimeError when a file the
     local series touches then differs from its wheel's RECORD (a tree patched by an older
     version of these patches: run .ci/setup, which reinstalls vLLM's files then)."""
-    from dspark.overlay import check_version, is_applied, read_series, series_vllm_version, touched_files
+    from dspark.lines.overlay import check_version, is_applied, read_series, series_vllm_version, touched_files
 
     site = Path(site).absolute()
     reversed_names: list[str] = []

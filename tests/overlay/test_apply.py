@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.overlay import (
+from dspark.lines.overlay import (
     OverlayError,
     apply_series,
     installed_vllm_version,

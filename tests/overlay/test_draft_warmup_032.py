@@ -85,7 +85,7 @@ def test_the_drafts_units_get_dsparks_draft_batches(patched, rendered):
     """The draft's units get the same token counts as the target's: every count up to the budget
     (0015), so 1, the budget and every capture size dspark renders, among them the n x k draft
     batches no multiple of k + 1 covers (5 and 35 for k=5 and 12 sequences:
-    dspark.graph_dispatch.covering_sizes)."""
+    dspark.engine.graph_dispatch.covering_sizes)."""
     k, sizes = rendered["k"], rendered["sizes"]
     draft_batches = [s for s in sizes if s % (k + 1)]
     assert k == 5 and draft_batches == [5, 35] and all(s % k == 0 for s in draft_batches)

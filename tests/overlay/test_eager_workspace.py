@@ -24,7 +24,7 @@ def run_workspace_checks(site: Path, dtype: str = "nvfp4_ds_mla", **kwargs) -> d
 
 def series_without(tmp: Path, series: Path, name: str) -> Path:
     """A series file in `tmp` naming every patch of `series` but `name`, in order."""
-    from dspark.overlay import read_series
+    from dspark.lines.overlay import read_series
 
     kept = [os.path.relpath(p.resolve(), tmp) for p in read_series(series) if p.name != name]
     text = series.read_text()
@@ -53,7 +53,7 @@ def test_a_prefill_never_receives_the_workspace_a_captured_decode_holds(patched_
 
 
 def test_without_0012_a_prefill_gets_the_captured_decodes_workspace(stock_site, tmp_path):
-    from dspark.overlay import apply_series
+    from dspark.lines.overlay import apply_series
 
     site = tmp_path / "site"
     shutil.copytree(stock_site, site)

@@ -44,7 +44,7 @@ def coverage(patched_site) -> dict:
 
 
 def test_settings_are_the_cluster_files(coverage):
-    from dspark import config as dc
+    from dspark.config import validate as dc
 
     serving = dc.load(CLUSTER).serving
     s = coverage["settings"]

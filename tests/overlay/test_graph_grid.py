@@ -5,7 +5,7 @@ as --cudagraph-capture-sizes) go through vLLM's own ``_set_cudagraph_sizes``, th
 ``CudaGraphManager`` and the draft's from ``DSparkSpeculator.init_cudagraph_manager``, and every
 batch of 1..S requests through ``dispatch_cg_and_sync_dp`` (graph_grid_checks.py: one subprocess
 per line, every case in it). The same run proves dspark's pure model of that dispatch
-(dspark.graph_dispatch, which ``dspark config check`` uses) on other lists: the former rule
+(dspark.engine.graph_dispatch, which ``dspark config check`` uses) on other lists: the former rule
 (multiples of k + 1 only), vLLM 0.28.0's own default list given explicitly, and dspark's list
 under a user's max_cudagraph_capture_size of half the verify rows.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark import config as C
-from dspark import graph_dispatch as G
+from dspark.config.schema import ServingConfig
+from dspark.engine import graph_dispatch as G
 
 from .conftest import LINE_032, run_checks
 
@@ -41,7 +41,7 @@ LINES = {"v0.28.0": "0.28.0", LINE_032: "0.32.0"}
 
 
 def dspark_sizes(s: int, k: int, **more) -> list[int]:
-    serving = C.ServingConfig(max_num_seqs=s, speculative_config={"method": "dspark", "num_speculative_tokens": k},
+    serving = ServingConfig(max_num_seqs=s, speculative_config={"method": "dspark", "num_speculative_tokens": k},
                               **more)
     sizes = serving.capture_sizes
     assert sizes is not None
@@ -125,7 +125,7 @@ def test_the_added_sizes_leave_every_verify_batch_as_it_was(grid):
 
 
 def test_dsparks_model_is_vllms_dispatch(grid):
-    """dspark.graph_dispatch (what `dspark config check` judges with) gives vLLM's own sizes and,
+    """dspark.engine.graph_dispatch (what `dspark config check` judges with) gives vLLM's own sizes and,
     for every batch of every case, vLLM's mode and padded tokens."""
     vllm, todo, got = grid
     wrong = []

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark import runtime_lines as R
-from dspark.overlay import (
+from dspark.lines import runtime as R
+from dspark.lines.overlay import (
     OverlayError,
     apply_series,
     installed_vllm_version,

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from dspark import runtime_lines
-from dspark.overlay import apply_series, is_applied, read_series
+from dspark.lines import runtime as runtime_lines
+from dspark.lines.overlay import apply_series, is_applied, read_series
 
 from .conftest import REPO, copy_vllm_tree, line_site, stock_tree
 
@@ -47,7 +47,7 @@ def installed(line_id: str):
 def test_the_local_pairs_vllm_carries_its_lines_local_series(line_id):
     # What .ci/setup leaves: `dspark overlay check` exits 0 on the tree the local pair runs.
     site = installed(line_id)
-    r = subprocess.run([sys.executable, "-m", "dspark.overlay", "check", str(site), "--series",
+    r = subprocess.run([sys.executable, "-m", "dspark.lines.overlay", "check", str(site), "--series",
                         str(local_series(line_id))], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "overlay applied" in r.stdout, (r.stdout, r.stderr)
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from dspark import runtime_lines as R
+from dspark.lines import runtime as R
 from test_vision_serving import vision_exp_config
 
 pytestmark = pytest.mark.vllm

@@ -68,7 +68,7 @@ def _held(flashinfer_sparse) -> dict[str, list[int]]:
 
 def line_cache_dtype(seed_name: str) -> str:
     """The cache dtype dspark sends the installed vLLM for the seed line's name: its runtime
-    line's vocabulary (dspark.runtime_lines.render_settings). On vLLM 0.32.0 the seed's
+    line's vocabulary (dspark.lines.runtime.render_settings). On vLLM 0.32.0 the seed's
     nvfp4_ds_mla (the 584-byte SM12x token of overlay 0002) is sent as fp8_ds_mla, which
     DeepseekV4FlashInferSM120Attention takes on SM12x (use_fp8_ds_mla_layout, checked by
     vllm/models/deepseek_v4/attention.py _resolve_dsv4_kv_cache_dtype); 0.32.0's own
@@ -77,7 +77,7 @@ def line_cache_dtype(seed_name: str) -> str:
     import vllm
 
     sys.path.insert(0, str(HERE.parents[1] / "src"))
-    from dspark import runtime_lines
+    from dspark.lines import runtime as runtime_lines
 
     release = vllm.__version__.split("+")[0]
     line = next((x for x in runtime_lines.load().lines.values() if x.vllm == release), None)

@@ -24,9 +24,16 @@ from pathlib import Path
 from nspawn_container import ROOT, Container
 from pairlib import count_head_starts, pick_ports, record_start_ups  # shared with the pair tests
 
-from dspark.local import (DEFAULT_NODES, HEAD_NAME, LINES_DIR_ENV, SERVED_NAME, LocalPorts, node_address,
-                          node_name)
-from dspark.units import NodeRole, node_units
+from dspark.local.appliance import (
+    DEFAULT_NODES,
+    HEAD_NAME,
+    LINES_DIR_ENV,
+    SERVED_NAME,
+    LocalPorts,
+    node_address,
+    node_name,
+)
+from dspark.units.render import NodeRole, node_units
 
 CLUSTER_DIR = "/srv/dspark-local"  # inside the container (outside /tmp: PrivateTmp hides that)
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
@@ -86,7 +93,7 @@ class Appliance:
     @property
     def cluster(self):
         """The cluster file the units run with (read through the container's root)."""
-        from dspark import config as C
+        from dspark.config import validate as C
 
         return C.load(self.box.path(f"{CLUSTER_DIR}/cluster.toml"))
 
@@ -243,7 +250,7 @@ def install(box: Container, ports: LocalPorts | None = None, nodes: int = DEFAUL
     # prepare() names vLLM's CLI beside the Python that runs it: the runtime's; each other
     # line's under DSPARK_LINES_DIR (without `lines`, as the caller's environment has it).
     env = {**os.environ, LINES_DIR_ENV: LINES} if lines else None
-    box.run(python, "-c", "import sys; from pathlib import Path; from dspark.local import prepare, LocalPorts; "
+    box.run(python, "-c", "import sys; from pathlib import Path; from dspark.local.appliance import prepare, LocalPorts; "
             f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api={ports.api}, master={ports.master}, "
             f"agent={ports.agent}), nodes={nodes})", timeout=60, check=True, env=env)
     app = Appliance(box, ports, user_note=f"units run as user dspark from {how}", nodes=nodes, dspark=dspark,
@@ -266,7 +273,8 @@ def use_standin(app: Appliance, env: dict[str, str] | None = None, supervisor: d
     (a behaviour of one rank only). Returns the stand-in's command."""
     import tomllib
 
-    from dspark import config as C
+    from dspark.config import validate as C
+    from dspark.config.template import dumps
 
     dest = app.box.path(STANDIN)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -284,7 +292,7 @@ def use_standin(app: Appliance, env: dict[str, str] | None = None, supervisor: d
         entry["env"] = {**entry.get("env", {}), **(node_env or {}).get(entry["name"], {})}
     C.from_dict(data)  # the file the units read must pass the same validation as prepare()'s
     path.write_text("# The local appliance with the stand-in vLLM (tests/systemd/appliance.use_standin).\n"
-                    + C.dumps(data))
+                    + dumps(data))
     app.standin = True
     return command
 

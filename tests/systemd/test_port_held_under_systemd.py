@@ -16,7 +16,7 @@ import pytest
 from appliance import install, use_standin
 from nspawn_container import Container, missing_requirements
 
-from dspark.local import WORKER_NAME
+from dspark.local.appliance import WORKER_NAME
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]

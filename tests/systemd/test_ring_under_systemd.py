@@ -22,7 +22,7 @@ import pytest
 from appliance import CLUSTER_DIR, STANDIN, Appliance, install, use_standin
 from nspawn_container import Container, missing_requirements
 
-from dspark.local import HEAD_NAME, node_name
+from dspark.local.appliance import HEAD_NAME, node_name
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]

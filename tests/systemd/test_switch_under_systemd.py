@@ -33,7 +33,7 @@ from nspawn_container import Container, missing_requirements
 from pairlib import ARTIFACTS
 from switch_lib import A, B
 
-from dspark.local import HEAD_NAME, WORKER_NAME
+from dspark.local.appliance import HEAD_NAME, WORKER_NAME
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}"),

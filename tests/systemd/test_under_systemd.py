@@ -26,7 +26,7 @@ import pytest
 from appliance import CLUSTER_DIR, STANDIN, UNITS, Appliance, install, use_standin
 from nspawn_container import Container, missing_requirements
 
-from dspark.local import HEAD_NAME, SERVED_NAME, WORKER_NAME
+from dspark.local.appliance import HEAD_NAME, SERVED_NAME, WORKER_NAME
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]

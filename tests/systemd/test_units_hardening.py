@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from dspark import units as U
+from dspark.units.names import DASHBOARD, HEAD, WAIT_WORKER, WORKER, WORKER_TEMPLATE
+from dspark.local.model import write_files
+from dspark.units.render import render_units
 
 DSPARK_BIN = str(Path(sys.executable).parent / "dspark")
 EXPOSURE_MAX = 2.0
-SERVICES = (U.HEAD, U.WORKER, U.WORKER_TEMPLATE, U.WAIT_WORKER, U.DASHBOARD)
+SERVICES = (HEAD, WORKER, WORKER_TEMPLATE, WAIT_WORKER, DASHBOARD)
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(shutil.which("systemd-analyze") is None,
@@ -29,7 +31,7 @@ pytestmark = [pytest.mark.systemd,
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("units")
-    U.write_files(U.render_units(DSPARK_BIN), out)
+    write_files(render_units(DSPARK_BIN), out)
     return out
 
 
@@ -61,7 +63,7 @@ def explained(directive: str, comments: str) -> bool:
     return bool(keys) and all(k + "=" in comments for k in keys) and all(x in comments for x in extra)
 
 
-@pytest.mark.parametrize("name", (U.HEAD, U.WORKER, U.WORKER_TEMPLATE))
+@pytest.mark.parametrize("name", (HEAD, WORKER, WORKER_TEMPLATE))
 def test_every_exposed_setting_of_a_node_unit_is_explained_in_the_unit(rendered, name):
     text = (rendered / name).read_text()
     comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
@@ -73,7 +75,7 @@ def test_every_exposed_setting_of_a_node_unit_is_explained_in_the_unit(rendered,
 
 
 def test_the_hardening_settings_are_in_the_rendered_units(rendered):
-    text = (rendered / U.HEAD).read_text()
+    text = (rendered / HEAD).read_text()
     for line in ("ProtectProc=invisible", "RemoveIPC=yes", "PrivateUsers=yes", "SystemCallFilter=@system-service",
                  "SystemCallFilter=~@privileged", "SystemCallErrorNumber=EPERM", "PrivateMounts=yes",
                  "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK",

@@ -1,5 +1,5 @@
 """The server under test: its address, what it says about itself, and one streamed
-completion timed on the client side (through dspark.http: bounded bodies and lines, an
+completion timed on the client side (through dspark.net.http: bounded bodies and lines, an
 overall deadline per request; threads keep one stream per concurrent request).
 
 Whatever the server answers (JSON that is not an object, a chunk of the wrong shape, more
@@ -11,10 +11,10 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from .. import http
-from .. import vllm_facts as F
-from ..http import HTTPFailure, Response, parse_json, request
-from . import metrics
+from dspark.net import http
+from dspark.engine import facts as F
+from dspark.net.http import HTTPFailure, Response, parse_json, request
+from dspark.engine import metrics
 
 
 class BenchError(Exception):
@@ -112,7 +112,7 @@ def describe(target: Target) -> ServerInfo:
 def scrape(target: Target, model: str | None = None) -> metrics.Snapshot:
     r = _fetch(target, F.METRICS, timeout=30.0)
     try:
-        return metrics.parse(r.body.decode("utf-8", "replace"), model=model)
+        return metrics.parse_samples(r.body.decode("utf-8", "replace"), model=model)
     except (ValueError, TypeError, IndexError) as e:  # prometheus_client's parser on garbage
         raise BenchError(f"{target.endpoint(F.METRICS)}: not Prometheus text ({e})") from None
 

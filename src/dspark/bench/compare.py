@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-from . import stats
-from .report import DecodeLevel, DecodeRequest, PrefillSummary, PrefillTrial, Report, fmt, md
+from dspark.bench import stats
+from dspark.bench.report import DecodeLevel, DecodeRequest, PrefillSummary, PrefillTrial, Report, fmt, md
 
 # Parameters that shape the workload; a difference in any of them makes figures incomparable.
 WORKLOAD_PARAMS = ("lengths", "trials", "seed", "max_tokens", "concurrency", "output_len", "input_len",
@@ -72,7 +72,7 @@ def _itl_se(reqs: list[DecodeRequest], q: float) -> float | None:
 def _aggregate_se(s: DecodeLevel, reqs: list[DecodeRequest]) -> float | None:
     if s.aggregate_tok_s_se is not None:
         return s.aggregate_tok_s_se
-    from .decode import aggregate_se  # a report written before the field: the same formula, from its requests
+    from dspark.bench.decode import aggregate_se  # a report written before the field: the same formula, from its requests
 
     return aggregate_se(s.aggregate_tok_s, [r.e2e_s for r in reqs])
 

@@ -18,11 +18,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import cast
 
-from . import prompts, stats
-from .client import BenchError, ServerInfo, Target, describe, new_cache_salt, scrape, stream_completion
-from .metrics import spec_decode, window
-from .progress import Progress, or_silent
-from .report import DecodeLevel, DecodeRequest, Report, now_iso
+from dspark.bench import prompts, stats
+from dspark.bench.client import BenchError, ServerInfo, Target, describe, new_cache_salt, scrape, stream_completion
+from dspark.engine.metrics import spec_decode, window
+from dspark.bench.progress import Progress, or_silent
+from dspark.bench.report import DecodeLevel, DecodeRequest, Report, now_iso
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
 # Requests per level = concurrency x rounds. One round left c=1 and c=2 on one and two

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .report import Report
+from dspark.bench.report import Report
 
 
 def workload(report: Report) -> str:

@@ -14,11 +14,11 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from . import prompts, stats
-from .client import BenchError, ServerInfo, Target, describe, new_cache_salt, scrape, stream_completion
-from .metrics import Window, window
-from .progress import Progress, or_silent
-from .report import PrefillSummary, PrefillTrial, Report, now_iso
+from dspark.bench import prompts, stats
+from dspark.bench.client import BenchError, ServerInfo, Target, describe, new_cache_salt, scrape, stream_completion
+from dspark.engine.metrics import Window, window
+from dspark.bench.progress import Progress, or_silent
+from dspark.bench.report import PrefillSummary, PrefillTrial, Report, now_iso
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 PURPOSE = "prefill"

@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..typecheck import fits, words
+from dspark import __version__
+from dspark.config.typecheck import fits, words
 
 SCHEMA = "dspark.bench.report"
 SCHEMA_VERSION = 1

@@ -18,16 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from .. import host_memory
-from .. import states as A
-from ..agent_client import AgentAnswer, fetch_state, is_lost  # noqa: F401 (AgentAnswer: re-exported)
-from .. import vllm_facts as F
-from ..config import Cluster
-from ..http import HTTPFailure, request
-from .. import hardware
-from . import rates
-from .snapshot_model import UNREACHABLE
-from ..vllm_metrics import MetricsError, Scrape, parse
+from dspark.node import host_memory
+from dspark.node import states as A
+from dspark.node.agent_client import AgentAnswer, fetch_state, is_lost
+from dspark.engine import facts as F
+from dspark.config.schema import Cluster
+from dspark.net.http import HTTPFailure, request
+from dspark.node import hardware
+from dspark.dashboard import rates
+from dspark.dashboard.snapshot_model import UNREACHABLE
+from dspark.engine.metrics import MetricsError, Scrape, parse
 
 SCHEMA_VERSION = 1
 # A node whose service fails exits right away (agent included), so its own "failed" answer is
@@ -39,7 +39,7 @@ VERSION_REFRESH_S = 30.0
 
 
 DEFAULT_INTERVAL_S = 1.0  # seconds between polls (`dspark dashboard --interval`)
-# The timeline: the nodes' events (dspark.states.NodeState.events) merged, and the dashboard's own
+# The timeline: the nodes' events (dspark.node.states.NodeState.events) merged, and the dashboard's own
 # "lost" (an agent gone without a word: a kill -9, a host down). EVENTS_KEPT in memory, the newest
 # EVENTS_SHOWN of them in each snapshot.
 EVENTS_KEPT = 512
@@ -346,7 +346,7 @@ class Collector:
                                for key, name in (("ttft_s", F.TTFT), ("itl_s", F.ITL), ("e2e_s", F.E2E))}},
                 "spec_decode": self._spec(scrape, iv),
                 # Nothing running or waiting: what moves now is the head's 1-token liveness
-                # probe (dspark.liveness sends one only while the engine is idle).
+                # probe (dspark.node.liveness sends one only while the engine is idle).
                 "idle": not (g.get(F.RUNNING) or g.get(F.WAITING)),
             })
         else:
@@ -441,7 +441,7 @@ def _number(x) -> bool:
 
 
 def _memory(m) -> dict | None:
-    """A node's memory as its agent reports it (dspark.host_memory); None for anything else."""
+    """A node's memory as its agent reports it (dspark.node.host_memory); None for anything else."""
     if not isinstance(m, dict) or m.get("source") not in host_memory.SOURCES:
         return None
     figures: dict[str, int] = {}
@@ -456,7 +456,7 @@ def _memory(m) -> dict | None:
 
 
 def _event(e, node: str) -> dict | None:
-    """One event of a node's ring (dspark.states.NodeState.events); None for anything else."""
+    """One event of a node's ring (dspark.node.states.NodeState.events); None for anything else."""
     if not isinstance(e, dict) or not _number(e.get("at")) or e["at"] <= 0:
         return None
     kind, detail = e.get("kind"), e.get("detail", "")
@@ -494,7 +494,7 @@ def _line(x) -> str | None:
 
 
 def _switch(sw) -> dict | None:
-    """The head's switch under way (dspark.line_state.Switch.to_json()), with how long it has run;
+    """The head's switch under way (dspark.lines.state.Switch.to_json()), with how long it has run;
     None when there is none or the record is not one the page can show."""
     if not isinstance(sw, dict) or _line(sw.get("from")) is None or _line(sw.get("to")) is None:
         return None

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .. import vllm_facts as F
-from ..vllm_metrics import Histogram, Scrape, SpecDecode, spec_decode_of
+from dspark.engine import facts as F
+from dspark.engine.metrics import Histogram, Scrape, SpecDecode, spec_decode_of
 
 # The head's liveness probe (supervisor.one_token) sends a 1-token prompt and generates one
 # token every few seconds. An interval with no more tokens than that and no running request

@@ -28,12 +28,12 @@ from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from pathlib import Path
 
-from .. import __version__
-from ..http_server import BoundedHTTPServer, discard_body
-from ..safe_read import MAX_SECRET_BYTES, read_text
-from ..signals import SignalQueue
-from .collector import Collector
-from .snapshot_model import schema_json
+from dspark import __version__
+from dspark.net.server import BoundedHTTPServer, discard_body
+from dspark.files.safe_read import MAX_SECRET_BYTES, read_text
+from dspark.node.signals import SignalQueue
+from dspark.dashboard.collector import Collector
+from dspark.dashboard.snapshot_model import schema_json
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8899
@@ -214,7 +214,7 @@ class DashboardServer:
 def serve(collector: Collector, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, token: str | None = None,
           on_ready=None) -> int:
     """Run the collector and the server until SIGTERM or SIGINT. Returns the exit code."""
-    from ..notify import Notifier
+    from dspark.node.notify import Notifier
 
     server = DashboardServer(host, port, collector, token)  # raises before anything starts
     sigs = SignalQueue().install((signal.SIGTERM, signal.SIGINT))  # only records; the loop below acts

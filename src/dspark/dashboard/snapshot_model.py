@@ -1,6 +1,6 @@
 """The dashboard's snapshot (GET /api/v1/snapshot) declared once, as dataclasses: the JSON
 Schema the server publishes (/static/snapshot.schema.json) is generated from these declarations
-by dspark.typecheck.json_schema. The collector (dashboard/collector.py) builds the snapshot as
+by dspark.config.typecheck.json_schema. The collector (dashboard/collector.py) builds the snapshot as
 plain dicts; the tests validate what it builds against this schema.
 
 "{what}" in a description is filled in by the field that holds the dataclass (the three latency
@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from .. import states as S
-from ..typecheck import about, json_schema
+from dspark.node import states as S
+from dspark.config.typecheck import about, json_schema
 
 SCHEMA_ID = "dspark-dashboard-snapshot-v1"
 UNREACHABLE = "unreachable"  # a node state of the dashboard's own: an agent that never answered
@@ -43,7 +43,7 @@ class RuntimeLine:
         "some node runs another line than the head's (its other_line is true); a pair does not form "
         "on two lines, and during a switch the worker follows the head")
     switch: Switch | None = about(
-        "the switch (or its rollback) under way, from the head's state (dspark.line_state); null when"
+        "the switch (or its rollback) under way, from the head's state (dspark.lines.state); null when"
         " none")
 
 
@@ -216,7 +216,7 @@ class Memory:
     available_bytes: int = about(
         "what a new allocation can still get without swapping (MemAvailable; NVML's free)", minimum=0)
     source: Literal["nvml", "meminfo"] = about(
-        "nvml: the GPU's NVML answered; meminfo: the kernel's /proc/meminfo (dspark.host_memory)")
+        "nvml: the GPU's NVML answered; meminfo: the kernel's /proc/meminfo (dspark.node.host_memory)")
 
 
 @dataclass
@@ -301,7 +301,7 @@ class Event:
     node: str = about("the node it happened on")
     kind: str = about(
         "start, restart, switch, backoff, stage, serving, liveness, drain, stopping, stopped, failed "
-        "(dspark.states.EVENT_KINDS, from the node's agent), or lost (the dashboard's own: the agent "
+        "(dspark.node.states.EVENT_KINDS, from the node's agent), or lost (the dashboard's own: the agent "
         "went silent without a word)",
         minLength=1, maxLength=32)
     detail: str = about()

@@ -35,22 +35,3 @@ per token as vLLM accounts them), ``fit`` (the budget and the verdict) and ``fro
 """
 
 from __future__ import annotations
-
-from .facts import (  # noqa: F401
-    DSV4_RUNTIME_OVERHEAD_BYTES, GB10_USABLE_MEMORY_BYTES, GiB, ModelFacts, PlanError, SEED_MAX_MODEL_LEN,
-    SEED_MAX_NUM_BATCHED_TOKENS, SEED_MAX_NUM_SEQS, SEED_GPU_MEMORY_UTILIZATION, SEED_ASYNC_SCHEDULING,
-    serving_default, TensorInfo, _DEFAULT_BLOCK_SIZE, _DSV4_DEFAULT_BLOCK_SIZE, _DTYPE_BYTES,
-    _KV_DTYPE_BYTES, _MAX_HEADER_BYTES, _read_json, load_model_facts, read_safetensors_header,
-)
-from .weights import (  # noqa: F401
-    WeightSplit, _REPLICATED_DSV4, _SHARDED_HF, _is_draft_tensor, _is_replicated, split_weights,
-)
-from .inputs import PlanInputs  # noqa: F401
-from .kv_layout import (  # noqa: F401
-    KVLayout, _Spec, _approximate_gcd, _cdiv, _dsv4_layout, _kv_dtype_bytes, _round_up, _uniform_layout,
-    kv_layout,
-)
-from .fit import (  # noqa: F401
-    Plan, Scheduling, _largest_context_bytes, scheduling, _raise_tp_hint, make_plan, plan_from_facts,
-)
-from .from_cluster import plan_for_cluster, plan_inputs  # noqa: F401,E402

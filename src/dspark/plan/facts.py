@@ -12,18 +12,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, cast
 
-from ..safe_read import MAX_MODEL_CONFIG_BYTES, JSONRefused, open_regular, parse_json, read_at_most, read_json
+from dspark.files.safe_read import (
+    MAX_MODEL_CONFIG_BYTES,
+    JSONRefused,
+    open_regular,
+    parse_json,
+    read_at_most,
+    read_json,
+)
 
 GiB = 1 << 30
 
 # The serving settings the plan assumes when told nothing are the cluster file's own defaults
-# (dspark.config's [serving] fields: the seed's tested settings on one GB10 node): one fact,
+# (dspark.config.validate's [serving] fields: the seed's tested settings on one GB10 node): one fact,
 # one place.
 def serving_default(name: str):
     """The cluster file's default for a [serving] field."""
     import dataclasses
 
-    from ..config import ServingConfig
+    from dspark.config.schema import ServingConfig
 
     fields = getattr(ServingConfig, "model_fields", None)  # a pydantic model, should it become one
     if fields is not None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .facts import DSV4_RUNTIME_OVERHEAD_BYTES, GiB, ModelFacts, load_model_facts
-from .inputs import PlanInputs
-from .weights import WeightSplit, split_weights
-from .kv_layout import KVLayout, kv_layout
+from dspark.plan.facts import DSV4_RUNTIME_OVERHEAD_BYTES, GiB, ModelFacts, load_model_facts
+from dspark.plan.inputs import PlanInputs
+from dspark.plan.weights import WeightSplit, split_weights
+from dspark.plan.kv_layout import KVLayout, kv_layout
 
 # --------------------------------------------------------------------------
 # The plan

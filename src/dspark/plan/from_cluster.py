@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import runtime_lines
-from .facts import GiB, serving_default
-from .fit import Plan, make_plan
-from .inputs import PlanInputs
+from dspark.lines import runtime as runtime_lines
+from dspark.plan.facts import GiB, serving_default
+from dspark.plan.fit import Plan, make_plan
+from dspark.plan.inputs import PlanInputs
 
 
 def line_kv_cache_dtype(serving) -> str:

@@ -7,8 +7,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from .facts import ModelFacts, PlanError, _DEFAULT_BLOCK_SIZE, _DSV4_DEFAULT_BLOCK_SIZE, _KV_DTYPE_BYTES
-from .inputs import PlanInputs
+from dspark.plan.facts import ModelFacts, PlanError, _DEFAULT_BLOCK_SIZE, _DSV4_DEFAULT_BLOCK_SIZE, _KV_DTYPE_BYTES
+from dspark.plan.inputs import PlanInputs
 
 # --------------------------------------------------------------------------
 # KV cache as vLLM 0.28.0 accounts it

@@ -49,10 +49,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
-from .facts import GiB, ModelFacts, PlanError, TensorInfo
-from .published_blocks import Tensors
-from .published_vision import Tensor, replicated_by_vllm, vision_tensors
-from . import published_v41
+from dspark.plan.facts import GiB, ModelFacts, PlanError, TensorInfo
+from dspark.plan.published_blocks import Tensors
+from dspark.plan.published_vision import Tensor, replicated_by_vllm, vision_tensors
+from dspark.plan import published_v41
 
 NAME = "deepseek-v4-flash"
 VISION_EXP = "deepseek-v4-flash-vision-exp"
@@ -183,7 +183,7 @@ class Published:
 
 
 def _vision_lines() -> tuple[str, ...]:
-    from .. import runtime_lines
+    from dspark.lines import runtime as runtime_lines
 
     return tuple(line.id for line in runtime_lines.load().lines.values() if line.deepseek_v4_vision is not None)
 
@@ -219,10 +219,10 @@ def plan_published(cluster=None, model: str = NAME, nodes: int | None = None):
     none; on ``nodes`` nodes when given (tensor_parallel_size nodes x gpus_per_node), else the
     settings' own. A model the settings' runtime line cannot serve is planned on a line that
     serves it, and the plan says so. A fit.Plan, or for V4.1 a weights_only.WeightsOnlyPlan."""
-    from ..config import ServingConfig
-    from .fit import plan_from_facts
-    from .from_cluster import plan_inputs
-    from .weights_only import WeightsOnlyPlan
+    from dspark.config.schema import ServingConfig
+    from dspark.plan.fit import plan_from_facts
+    from dspark.plan.from_cluster import plan_inputs
+    from dspark.plan.weights_only import WeightsOnlyPlan
 
     ckpt = published(model)
     serving = cluster.serving if cluster is not None else ServingConfig()
@@ -304,8 +304,8 @@ def _checkpoint_notes(ckpt: Published, facts: ModelFacts, tp: int, serving) -> l
 
 def _with_nodes_needed(result, ckpt: Published, facts: ModelFacts, serving):
     """Add the verdict in nodes: how many the weights and the reserve need, when they do not fit."""
-    from .weights import split_weights
-    from .weights_only import weights_fit
+    from dspark.plan.weights import split_weights
+    from dspark.plan.weights_only import weights_fit
 
     p = getattr(result, "plan", result)  # a WeightsOnlyPlan's full plan
     inputs = p.inputs

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .published_vision import Tensor
+from dspark.plan.published_vision import Tensor
 
 
 class Tensors:

@@ -39,8 +39,8 @@ import json
 import math
 from importlib import resources
 
-from .published_blocks import Tensors
-from .published_vision import Tensor, vision_tensors
+from dspark.plan.published_blocks import Tensors
+from dspark.plan.published_vision import Tensor, vision_tensors
 
 NAME = "deepseek-v4.1-flash"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .facts import ModelFacts
+from dspark.plan.facts import ModelFacts
 
 # --------------------------------------------------------------------------
 # Which weights each tensor-parallel rank holds

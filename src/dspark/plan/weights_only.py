@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .facts import GiB
-from .fit import Plan
-from .inputs import PlanInputs
+from dspark.plan.facts import GiB
+from dspark.plan.fit import Plan
+from dspark.plan.inputs import PlanInputs
 
 # Plan.to_dict's figures that come from the KV-cache layout.
 _LAYOUT_KEYS = (

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..config import Cluster, NodeConfig
-from .result import FAIL, OK, WARN, Check, Report, fail, ok, warn  # noqa: F401 (the package's API)
+from dspark.config.schema import Cluster, NodeConfig
+from dspark.preflight.result import Check, Report, fail, ok, warn
 
 
 @dataclass
@@ -59,11 +59,12 @@ def _guard(name: str, fn: Callable[[], list[Check]]) -> list[Check]:
 
 def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
     """Every check for `node` on this host, in the order a reader fixes them."""
-    from ..unit_names import USER
-    from . import host as H
-    from . import model_dir as M
-    from . import net as N
-    from . import peer as P
+    from dspark.units.names import USER
+    from dspark.units import user as U
+    from dspark.preflight import host as H
+    from dspark.preflight import model_dir as M
+    from dspark.preflight import net as N
+    from dspark.preflight import peer as P
 
     host = host or Host()
     report = Report(node.name)
@@ -95,7 +96,7 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
         # This node runs another line than the file's (dspark switch): check and compare that one.
         cluster = _guard_value(lambda: cluster.on_line(own["runtime_line"])) or cluster
 
-    user = M.service_user(USER, host.under_unit)
+    user = U.service_user(USER, host.under_unit)
     facts_box: list = [None]
 
     def model() -> list[Check]:
@@ -105,7 +106,9 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
     add(_guard("model", model))
 
     def memory() -> list[Check]:
-        from ..plan import PlanError, plan_from_facts, plan_inputs
+        from dspark.plan.facts import PlanError
+        from dspark.plan.fit import plan_from_facts
+        from dspark.plan.from_cluster import plan_inputs
 
         need, why = None, "the model directory did not pass"
         if facts_box[0] is not None or cluster.serving.load_format == "dummy":
@@ -113,7 +116,7 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
                 if facts_box[0] is not None:
                     plan = plan_from_facts(facts_box[0], plan_inputs(cluster))
                 else:
-                    from ..plan import plan_for_cluster
+                    from dspark.plan.from_cluster import plan_for_cluster
 
                     plan = plan_for_cluster(cluster)
                 need = plan.memory_per_rank_bytes
@@ -131,7 +134,7 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
         add(_guard("api.access", lambda: P.check_api_access(node, host.environ)))
 
     def perms() -> list[Check]:
-        from .perms import check_perms
+        from dspark.preflight.perms import check_perms
 
         return check_perms(cluster, user, P.vllm_package(cluster.serving.vllm_command)[1])
 
@@ -208,7 +211,7 @@ def gate(cluster: Cluster, node: NodeConfig, say: Callable[[str], None], host: H
 def _wait_for_ports(cluster: Cluster, node: NodeConfig, host: Host, names: set[str], wait_s: float,
                     refusal: Verdict, say: Callable[[str], None], wait: Callable[[float], int | None] | None,
                     waiting: Callable[[float, str], None] | None, clock: Callable[[], float]) -> Verdict:
-    from . import peer as P
+    from dspark.preflight import peer as P
 
     def sleep(seconds: float) -> int | None:
         time.sleep(seconds)
@@ -245,6 +248,6 @@ def _held(ports, still: str) -> str:
 
 def identity(cluster: Cluster) -> dict:
     """This node's identity without the checks (`dspark serve` without --check)."""
-    from .peer import local_identity
+    from dspark.preflight.peer import local_identity
 
     return _guard_value(lambda: local_identity(cluster)) or {}

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Mapping
 
-from .result import Check, fail, ok, warn
+from dspark.preflight.result import Check, fail, ok, warn
 
 GiB = 1 << 30
 
@@ -236,7 +236,7 @@ def check_caches(environ: Mapping[str, str], under_unit: bool) -> list[Check]:
     """The cache directory the units persist (CacheDirectory=dspark, where unit_names.CACHE_ENV points
     the JIT caches): exists (systemd creates it at the unit's start), writable by the service
     (under the unit), and room for the caches (below the CUDA cache's own cap, a warning)."""
-    from ..unit_names import CACHE_ENV
+    from dspark.units.names import CACHE_ENV
 
     base = Path((environ.get("CACHE_DIRECTORY") or "").split(":")[0] or "/var/cache/dspark")
     cap = next(int(v) for k, v in CACHE_ENV if k == "CUDA_CACHE_MAXSIZE")

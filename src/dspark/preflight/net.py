@@ -14,8 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Mapping
 
-from ..config import NodeConfig
-from .result import Check, fail, ok, warn
+from dspark.config.schema import NodeConfig
+from dspark.preflight.result import Check, fail, ok, warn
 
 IFF_UP = 0x1
 # /sys/class/net/<if>/operstate values that carry traffic; "unknown" is what lo and some
@@ -178,8 +178,8 @@ def check_interface(node: NodeConfig, sys_root: Path, proc: Path, addresses: Map
 # ------------------------------------------------------------------------------ RDMA
 def check_rdma(node: NodeConfig, sys_root: Path) -> list[Check]:
     """The RDMA device exists, port 1 is ACTIVE, and the GID NCCL will use is the address's
-    RoCE v2 GID (the index `auto` resolves to: dspark.rdma.resolve_gid_index)."""
-    from ..rdma import resolve_gid_index
+    RoCE v2 GID (the index `auto` resolves to: dspark.node.rdma.resolve_gid_index)."""
+    from dspark.node.rdma import resolve_gid_index
 
     dev = node.rdma_device
     ib = sys_root / "class" / "infiniband"

@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import Cluster, NodeConfig
-from ..safe_read import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_INDEX_BYTES, read_bytes
-from .result import Check, fail, ok, warn
+from dspark.config.schema import Cluster, NodeConfig
+from dspark.files.safe_read import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_INDEX_BYTES, read_bytes
+from dspark.preflight.result import Check, fail, ok, warn
 
 CLOCK_TOLERANCE_S = 1.0
 
@@ -82,7 +82,7 @@ def vllm_package(vllm_command: list[str], timeout_s: float = 30.0) -> tuple[str 
 def runtime_identity(vllm_command: list[str], timeout_s: float = 30.0) -> dict:
     """vLLM's version and a SHA-256 of its Python sources as installed (an overlay or any local
     change to them alters it), found without importing vLLM."""
-    from ..overlay import OverlayError, installed_vllm_version
+    from dspark.lines.overlay import OverlayError, installed_vllm_version
 
     _, pkg, error = vllm_package(vllm_command, timeout_s)
     if pkg is None:
@@ -136,7 +136,7 @@ def check_runtime_line(cluster: Cluster, identity: dict) -> list[Check]:
     """The runtime that serving.vllm_command runs is the release of serving.runtime_line: the
     cluster file's settings are rendered to that line's flags and names, which another release
     may not have, or may mean otherwise."""
-    from .. import runtime_lines
+    from dspark.lines import runtime as runtime_lines
 
     line_id = cluster.serving.runtime_line
     line = runtime_lines.load().lines.get(line_id)
@@ -337,7 +337,7 @@ def check_api_access(node: NodeConfig, environ) -> list[Check]:
     """Who can reach the head's API: closed (the fabric address, loopback) or guarded by an API
     key is ok; bound wider without a key (in this environment: DSPARK_API_KEY, VLLM_API_KEY,
     the 'api-key' credential or DSPARK_API_KEY_FILE) is a warn saying how to close it."""
-    from ..credentials import API_KEY_FILE_ENV, read_api_key
+    from dspark.config.credentials import API_KEY_FILE_ENV, read_api_key
 
     bind, port = node.api_bind, node.api_port
     try:
@@ -363,7 +363,7 @@ def check_api_access(node: NodeConfig, environ) -> list[Check]:
 # ------------------------------------------------------------------------------ peers
 def own_agent_state(node: NodeConfig) -> dict | None:
     """This node's /state when its own agent answers as this node (its dspark serve runs)."""
-    from ..agent_client import agent_state
+    from dspark.node.agent_client import agent_state
 
     s = agent_state(node.agent_url, timeout=1.0)
     return s if s is not None and s.get("node") == node.name else None
@@ -372,7 +372,7 @@ def own_agent_state(node: NodeConfig) -> dict | None:
 def check_peers(cluster: Cluster, node: NodeConfig, mine: dict, starting: bool = False) -> list[Check]:
     """Compare with every other node whose agent answers. `starting`: this node is about to
     start, when a worker does not expect its head yet (workers start first)."""
-    from ..agent_client import fetch_state
+    from dspark.node.agent_client import fetch_state
 
     out: list[Check] = []
     for peer in cluster.nodes:
@@ -421,7 +421,7 @@ def check_peers(cluster: Cluster, node: NodeConfig, mine: dict, starting: bool =
 
 
 def _dspark_version() -> str:
-    from .. import __version__
+    from dspark import __version__
 
     return __version__
 

@@ -22,9 +22,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import Cluster
-from .model_dir import ServiceUser
-from .result import Check, ok, warn
+from dspark.config.schema import Cluster
+from dspark.units.user import ServiceUser
+from dspark.preflight.result import Check, ok, warn
 
 MAX_ENTRIES = 50_000  # a model directory or the vllm package: a few thousand entries
 SHOWN = 3

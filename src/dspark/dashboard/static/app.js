@@ -109,7 +109,7 @@ function showQuantile(el, lat, q) {
 
 function na(x, f) { return x === null || x === undefined ? "n/a" : f(x); }
 
-// Only the head runs liveness rounds (dspark.liveness): a worker has no proof of its own.
+// Only the head runs liveness rounds (dspark.node.liveness): a worker has no proof of its own.
 const WORKER_LIVENESS = "Only the head checks liveness: one vLLM engine spans every rank, so the head's " +
   "proof of life (progress, or a 1-token probe while idle) covers this worker too; a dead or wedged " +
   "worker stalls the engine and fails the head's check.";

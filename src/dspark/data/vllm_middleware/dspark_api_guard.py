@@ -1,5 +1,5 @@
 """ASGI middleware that dspark adds to vLLM's API server (`--middleware dspark_api_guard.GuardEveryRoute`,
-with this directory on vLLM's PYTHONPATH; dspark.render does both).
+with this directory on vLLM's PYTHONPATH; dspark.node.launch does both).
 
 vLLM's own API-key check guards only the paths under /v1: with a key set, /invocations runs
 completions and /tokenize, /detokenize, /metrics, /version and the rest answer without it. This
