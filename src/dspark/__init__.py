@@ -1,7 +1,7 @@
 """dspark: DeepSeek V4 Flash on two GB10 nodes as a supervised appliance."""
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> str:
     # Resolved on first use: importlib.metadata is slow to import, and `dspark --help`
     # must stay fast.
     if name == "__version__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from dspark.net import http
 from dspark.engine import facts as F
@@ -62,7 +63,7 @@ def _fetch(target: Target, path: str, timeout: float) -> Response:
     return r
 
 
-def _get(target: Target, path: str, timeout: float = 10.0):
+def _get(target: Target, path: str, timeout: float = 10.0) -> Any:
     r = _fetch(target, path, timeout)
     try:
         return r.json()
@@ -159,7 +160,7 @@ MAX_LINES_PER_TOKEN = 8
 MAX_EXTRA_LINES = 64
 
 
-def _count(value, what: str, where: str) -> int | None:
+def _count(value: object, what: str, where: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -16,11 +16,12 @@ import math
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import cast
+from typing import Callable, cast
 
 from dspark.bench import prompts, stats
-from dspark.bench.client import BenchError, ServerInfo, Target, describe, new_cache_salt, scrape, stream_completion
-from dspark.engine.metrics import spec_decode, window
+from dspark.bench.client import (BenchError, ServerInfo, StreamResult, Target, describe, new_cache_salt, scrape,
+                                 stream_completion)
+from dspark.engine.metrics import Window, spec_decode, window
 from dspark.bench.progress import Progress, or_silent
 from dspark.bench.report import DecodeLevel, DecodeRequest, Report, now_iso
 
@@ -88,7 +89,7 @@ class DecodeSpec:
                 "prefix_cache": "fresh (salted per run)" if self.fresh_prefix_cache else "shared"}
 
 
-def request_record(res, prompt: prompts.Prompt, concurrency: int, role: str, index: int,
+def request_record(res: StreamResult, prompt: prompts.Prompt, concurrency: int, role: str, index: int,
                    level_start: float) -> DecodeRequest:
     n = res.completion_tokens
     decode_time = None if res.first_token is None or res.finished is None else res.finished - res.first_token
@@ -112,7 +113,7 @@ def aggregate_se(aggregate: float | None, e2e_s: list[float | None]) -> float | 
     return aggregate * sd / m / math.sqrt(len(xs))
 
 
-def summarize_level(concurrency: int, reqs: list[DecodeRequest], duration_s: float, w) -> DecodeLevel:
+def summarize_level(concurrency: int, reqs: list[DecodeRequest], duration_s: float, w: Window | None) -> DecodeLevel:
     out_tokens = sum(r.output_tokens or 0 for r in reqs)
     ttfts = [r.ttft_s for r in reqs]
     itls = [x for r in reqs for x in r.itl_s]
@@ -135,14 +136,15 @@ def summarize_level(concurrency: int, reqs: list[DecodeRequest], duration_s: flo
         spec_drafts=cast(int, spec.drafts) if spec else None)  # a window's counters: spec_decode() makes them ints
 
 
-def run_level(target: Target, model: str, spec: DecodeSpec, concurrency: int, level_prompts, progress: Progress,
-              report: Report, on_update, cache_salt: str | None = None) -> DecodeLevel:
+def run_level(target: Target, model: str, spec: DecodeSpec, concurrency: int, level_prompts: list[prompts.Prompt],
+              progress: Progress, report: Report, on_update: Callable[[Report], object] | None,
+              cache_salt: str | None = None) -> DecodeLevel:
     """Run one level; completed requests are added to the report as they finish, so a
     failure keeps them."""
     before = scrape(target, model)
     level_start = time.perf_counter()
 
-    def one(i: int):
+    def one(i: int) -> tuple[int, StreamResult]:
         res = stream_completion(target, model, level_prompts[i].token_ids, spec.output_len,
                                 ignore_eos=True, temperature=spec.temperature, cache_salt=cache_salt)
         return i, res
@@ -175,7 +177,8 @@ def new_report(spec: DecodeSpec, info: ServerInfo) -> Report:
                   prompt_set_sha256=prompts.set_fingerprint(planned), planned_prompts=planned)
 
 
-def run(target: Target, spec: DecodeSpec, *, progress: Progress | None = None, on_update=None,
+def run(target: Target, spec: DecodeSpec, *, progress: Progress | None = None,
+        on_update: Callable[[Report], object] | None = None,
         info: ServerInfo | None = None, settings: dict | None = None,
         level_prompts: dict[int, list[prompts.Prompt]] | None = None) -> Report:
     """Run the sweep; returns the report, partial (with `error`) if the server stopped

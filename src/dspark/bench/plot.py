@@ -4,8 +4,13 @@ display needed), so the rest of the bench runs without it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 from dspark.bench.report import Report
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def workload(report: Report) -> str:
@@ -30,7 +35,7 @@ def _samples(report: Report) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _label_points(ax, xs, ys, labels) -> None:
+def _label_points(ax: Axes, xs: Sequence[int], ys: Sequence[float | None], labels: Sequence[str]) -> None:
     for x, y, text in zip(xs, ys, labels):
         if y is not None:
             ax.annotate(text, (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
@@ -50,7 +55,7 @@ def plot(report: Report, path: Path) -> Path | None:
     return path
 
 
-def figure(report: Report):
+def figure(report: Report) -> Figure | None:
     """The report's matplotlib figure (None when there is nothing to plot yet)."""
     if not report.summary:
         return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from dspark.bench import prompts, stats
 from dspark.bench.client import BenchError, ServerInfo, Target, describe, new_cache_salt, scrape, stream_completion
@@ -185,9 +186,9 @@ def new_report(spec: PrefillSpec, info: ServerInfo) -> Report:
                   prompt_set_sha256=prompts.set_fingerprint(planned), planned_prompts=planned)
 
 
-def run(target: Target, spec: PrefillSpec, *, progress: Progress | None = None, on_update=None,
-        info: ServerInfo | None = None, settings: dict | None = None,
-        before_request=None) -> Report:
+def run(target: Target, spec: PrefillSpec, *, progress: Progress | None = None,
+        on_update: Callable[[Report], object] | None = None, info: ServerInfo | None = None,
+        settings: dict | None = None, before_request: Callable[[str, int, int], object] | None = None) -> Report:
     """Run the prefill matrix. Returns the report, partial (with `error`) if the server
     stopped answering; raises BenchError only when nothing could be measured at all.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
 
@@ -22,11 +22,17 @@ from dspark.bench.prefill import PrefillSpec
 if TYPE_CHECKING:  # annotations only: what click.progressbar() returns
     from click._termui_impl import ProgressBar
 
+    from dspark.bench.client import Target
+    from dspark.bench.report import Report
+    from dspark.config.schema import Cluster
+
 # The options' defaults are the specs' own (one place): `bench decode --help` shows them. The
 # options both runs share (--seed, --label) have the same default in both specs.
 _DECODE, _PREFILL = DecodeSpec(), PrefillSpec()
 
 DEFAULT_OUT = Path("bench-results")
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class BarProgress:
@@ -50,7 +56,7 @@ class BarProgress:
             self._bar = None
 
 
-def cluster_settings(cluster) -> dict:
+def cluster_settings(cluster: Cluster) -> dict:
     """The serving settings a report records when the server was named by its cluster file
     (the environment is left out: it may hold secrets)."""
     serving = dataclasses.asdict(cluster.serving)
@@ -74,7 +80,8 @@ def without_userinfo(url: str) -> tuple[str, bool]:
     return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}", True
 
 
-def resolve_target(config_path: Path | None, url: str | None, model: str | None, timeout: float):
+def resolve_target(config_path: Path | None, url: str | None, model: str | None,
+                   timeout: float) -> tuple[Target, dict]:
     from dspark.config.credentials import read_api_key
     from dspark.bench.client import Target
 
@@ -99,7 +106,7 @@ def resolve_target(config_path: Path | None, url: str | None, model: str | None,
     return target, cluster_settings(cluster)
 
 
-def server_options(f):
+def server_options(f: F) -> F:
     # applied bottom-up: the last one here is listed first in --help
     f = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary; errors only.")(f)
     f = click.option("--request-timeout", type=float, default=REQUEST_TIMEOUT_S, show_default=True,
@@ -120,7 +127,7 @@ def server_options(f):
     return f
 
 
-def finish(report, out_dir: Path, quiet: bool) -> None:
+def finish(report: Report, out_dir: Path, quiet: bool) -> None:
     """Write the Markdown summary and the plot next to the JSON, show them, and turn a
     stopped run into a clear error (exit 1) that says what was kept."""
     from dspark.bench.plot import plot
@@ -155,7 +162,8 @@ def finish(report, out_dir: Path, quiet: bool) -> None:
              f"the {measured} measured request(s) so far are kept in {p.json}", 1)
 
 
-def _run(kind: str, spec, config_path, url, model, out_dir, request_timeout, quiet, **run_kw):
+def _run(kind: str, spec: PrefillSpec | DecodeSpec, config_path: Path | None, url: str | None, model: str | None,
+         out_dir: Path, request_timeout: float, quiet: bool, **run_kw: Any) -> None:
     from dspark.bench.client import BenchError
     from dspark.bench.report import paths
 
@@ -195,8 +203,9 @@ def bench(ctx: click.Context) -> None:
                    "(a length you give that does not fit is refused).")
 @click.option("--trials", type=int, default=_PREFILL.trials, show_default=True,
               help="Measured trials per length (medians).")
-def prefill_cmd(config_path, url, model, out_dir, label, seed, shared_prefix_cache, request_timeout, quiet, lengths,
-                trials) -> None:
+def prefill_cmd(config_path: Path | None, url: str | None, model: str | None, out_dir: Path, label: str, seed: int,
+                shared_prefix_cache: bool, request_timeout: float, quiet: bool, lengths: str | None,
+                trials: int) -> None:
     """Prefill speed at exact input lengths: client TTFT and input tok/s, server prefill tok/s.
 
     One warm-up request, then per length one excluded pass and N trials, each with a fresh
@@ -227,8 +236,9 @@ def prefill_cmd(config_path, url, model, out_dir, label, seed, shared_prefix_cac
               help="Requests per level = concurrency x rounds (at least 2 for the throughput's standard error).")
 @click.option("--temperature", type=float, default=_DECODE.temperature, show_default=True,
               help="Sampling temperature.")
-def decode_cmd(config_path, url, model, out_dir, label, seed, shared_prefix_cache, request_timeout, quiet, concurrency,
-               output_len, input_len, rounds, temperature) -> None:
+def decode_cmd(config_path: Path | None, url: str | None, model: str | None, out_dir: Path, label: str, seed: int,
+               shared_prefix_cache: bool, request_timeout: float, quiet: bool, concurrency: str, output_len: int,
+               input_len: int, rounds: int, temperature: float) -> None:
     """Decode speed over a concurrency sweep: aggregate and per-stream tok/s, TTFT and ITL
     percentiles, speculative acceptance when the server reports it."""
     from dspark.bench.client import BenchError

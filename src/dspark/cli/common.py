@@ -10,9 +10,12 @@ it keeps its traceback."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
+
+if TYPE_CHECKING:
+    from dspark.config.schema import Cluster, NodeConfig
 
 EXIT_USAGE = 2  # bad input or config: the same code click gives a usage error
 
@@ -23,7 +26,7 @@ def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     raise click.exceptions.Exit(code)
 
 
-def load_cluster(config_path: Path | None):
+def load_cluster(config_path: Path | None) -> Cluster:
     """The cluster file (--config, else $DSPARK_CONFIG, else /etc/dspark/cluster.toml), or
     every problem found and exit 2."""
     from dspark.config.schema import ConfigError
@@ -44,7 +47,7 @@ def config_found() -> bool:
     return bool(os.environ.get("DSPARK_CONFIG")) or DEFAULT_CONFIG_PATH.exists()
 
 
-def pick_node(cluster, name: str | None):
+def pick_node(cluster: Cluster, name: str | None) -> NodeConfig:
     """This node's entry (--node, else $DSPARK_NODE, else the host name), or exit 2."""
     from dspark.config.schema import ConfigError
 

@@ -7,23 +7,32 @@ the units' drop-ins) reaches every one of them. `parse_sizes` reads a list of si
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable, TypeVar, overload
 
 import click
 
 CONFIG_HELP = "Cluster file (default: $DSPARK_CONFIG, then /etc/dspark/cluster.toml)."
 NODE_HELP = "This node's name in the cluster file (default: $DSPARK_NODE, then the host name)."
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-def config_option(f=None, *, also: str = ""):
+
+@overload
+def config_option(f: F, *, also: str = "") -> F: ...
+@overload
+def config_option(f: None = None, *, also: str = "") -> Callable[[F], F]: ...
+
+
+def config_option(f: F | None = None, *, also: str = "") -> F | Callable[[F], F]:
     """`--config/-c` into `config_path` (a Path, or None: then dspark.config.validate.load falls back to
     $DSPARK_CONFIG and /etc/dspark/cluster.toml). `also` adds a sentence to the help."""
-    def deco(fn):
+    def deco(fn: F) -> F:
         return click.option("--config", "-c", "config_path", type=click.Path(dir_okay=False, path_type=Path),
                             envvar="DSPARK_CONFIG", help=CONFIG_HELP + (" " + also if also else ""))(fn)
     return deco(f) if f is not None else deco
 
 
-def node_option(f):
+def node_option(f: F) -> F:
     return click.option("--node", "-n", envvar="DSPARK_NODE", help=NODE_HELP)(f)
 
 

@@ -5,14 +5,22 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
 
 from dspark.cli.options import config_option
 from dspark.local.appliance import DEFAULT_DIR as LOCAL_DIR
 
+if TYPE_CHECKING:
+    from dspark.config.schema import Cluster
+    from dspark.switch import Bench
 
-def bench_options(f):
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def bench_options(f: F) -> F:
     from dspark.switch import Bench
 
     d = Bench()
@@ -37,7 +45,8 @@ def bench_options(f):
     return f
 
 
-def make_bench(no_bench, concurrency, input_len, output_len, rounds, repeats, min_band):
+def make_bench(no_bench: bool, concurrency: str, input_len: int, output_len: int, rounds: int, repeats: int,
+               min_band: float) -> Bench | None:
     from dspark.cli.options import parse_sizes
     from dspark.switch import Bench
 
@@ -47,11 +56,12 @@ def make_bench(no_bench, concurrency, input_len, output_len, rounds, repeats, mi
                  rounds=rounds, repeats=repeats, min_band=min_band)
 
 
-def _interrupt(signum, frame) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # SIGTERM, SIGHUP (a closed terminal): handled as Ctrl-C, rolled back
 
 
-def run_switch(cluster, state_dir: Path, line: str | None, history: bool, bench, timeout_s) -> None:
+def run_switch(cluster: Cluster, state_dir: Path, line: str | None, history: bool, bench: Bench | None,
+               timeout_s: float | None) -> None:
     from dspark.cli.common import fail
     from dspark.config.credentials import read_api_key
     from dspark.switch import EXIT_CODES, Switcher, SwitchRefused, os_error_text
@@ -94,8 +104,9 @@ def run_switch(cluster, state_dir: Path, line: str | None, history: bool, bench,
               help="The head's state directory (default: /var/lib/dspark/head, the head unit's).")
 @click.option("--history", is_flag=True, help="List the switches kept on this head, and exit.")
 @bench_options
-def switch(line, config_path, state_dir, history, no_bench, concurrency, input_len, output_len, rounds, repeats,
-           min_band, timeout_s) -> None:
+def switch(line: str | None, config_path: Path | None, state_dir: Path | None, history: bool, no_bench: bool,
+           concurrency: str, input_len: int, output_len: int, rounds: int, repeats: int, min_band: float,
+           timeout_s: float | None) -> None:
     """Move the serving pair to runtime line LINE (installed on every node: serving.line_commands).
 
     Run on the head. Benchmarks the current line, switches (worker first into the rendezvous,
@@ -118,8 +129,8 @@ def switch(line, config_path, state_dir, history, no_bench, concurrency, input_l
               show_default=True, help="The local appliance's directory (as given to local up).")
 @click.option("--history", is_flag=True, help="List the switches of the local appliance, and exit.")
 @bench_options
-def local_switch(line, workdir, history, no_bench, concurrency, input_len, output_len, rounds, repeats, min_band,
-                 timeout_s) -> None:
+def local_switch(line: str | None, workdir: Path, history: bool, no_bench: bool, concurrency: str, input_len: int,
+                 output_len: int, rounds: int, repeats: int, min_band: float, timeout_s: float | None) -> None:
     """Switch the running local appliance to runtime line LINE (`dspark switch` for `local up`).
 
     Exit 0 kept, 1 rolled back (serving the old line), 2 refused, 3 the rollback failed too.

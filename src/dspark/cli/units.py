@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -14,13 +15,16 @@ from dspark.units.install import default_dspark_bin, install, systemd_running, u
 from dspark.units.names import DEFAULT_CONFIG, USER
 from dspark.units.render import NodeRole, node_dropins, node_units, render_units
 
+if TYPE_CHECKING:
+    from dspark.config.schema import Cluster
+
 
 def _config_file(config_path: Path | None) -> str:
     """The cluster file's absolute path, as the drop-ins name it for the units."""
     return os.path.abspath(config_path or DEFAULT_CONFIG)
 
 
-def _roles(cluster, names: tuple[str, ...]) -> list[NodeRole]:
+def _roles(cluster: Cluster, names: tuple[str, ...]) -> list[NodeRole]:
     return [NodeRole(n.name, n.is_head) for n in (pick_node(cluster, name) for name in names)]
 
 

@@ -40,7 +40,7 @@ class ConfigError(Exception):
 
 
 def _f(default: Any = dataclasses.MISSING, *, help: str, example: Any = None, factory: Any = None,
-       bounds: tuple[float, float] | None = None, positive: bool = False, source: str | None = None):
+       bounds: tuple[float, float] | None = None, positive: bool = False, source: str | None = None) -> Any:  # a field, as its default
     """Declare a config field: its default, help text, an example for error messages and, for a
     number, its range: `bounds` (lo, hi), both included, or `positive` for (0, hi]. Every number
     must also be finite: the ranges are the one policy, checked in `check_ranges`. `source` says

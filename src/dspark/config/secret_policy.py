@@ -49,7 +49,7 @@ def is_secret_key(name: str) -> bool:
     return is_secret_env(name.replace("-", "_"))
 
 
-def secret_keys(value, where: str, depth: int = 0) -> list[str]:
+def secret_keys(value: object, where: str, depth: int = 0) -> list[str]:
     """Where a table nested in tables and lists has a secret key (their paths, never the values)."""
     if depth > 64:
         return []

@@ -272,7 +272,7 @@ class Collector:
             "memory": _memory(last.get("memory")),
         }, holds
 
-    def _take_events(self, node: str, mem: _NodeMemory, events) -> None:
+    def _take_events(self, node: str, mem: _NodeMemory, events: object) -> None:
         """The events of a node's ring that the timeline does not hold yet: those after the newest
         taken (the ring is in time order; a restarted node's new ring starts later)."""
         if not isinstance(events, list):
@@ -436,11 +436,11 @@ class Collector:
                 "draft_tokens": life["draft_tokens"], "accepted_tokens": life["accepted_tokens"]}
 
 
-def _number(x) -> bool:
+def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _memory(m) -> dict | None:
+def _memory(m: object) -> dict | None:
     """A node's memory as its agent reports it (dspark.node.host_memory); None for anything else."""
     if not isinstance(m, dict) or m.get("source") not in host_memory.SOURCES:
         return None
@@ -455,7 +455,7 @@ def _memory(m) -> dict | None:
     return {**figures, "source": m["source"]}
 
 
-def _event(e, node: str) -> dict | None:
+def _event(e: object, node: str) -> dict | None:
     """One event of a node's ring (dspark.node.states.NodeState.events); None for anything else."""
     if not isinstance(e, dict) or not _number(e.get("at")) or e["at"] <= 0:
         return None
@@ -475,7 +475,7 @@ def _quantiles(lat: dict | None) -> tuple:
     return (p50[0], p50[1], p95[0], p95[1])
 
 
-def _liveness(live) -> dict | None:
+def _liveness(live: object) -> dict | None:
     """The head's last liveness round and the last proof of life, as the agent reports them."""
     if not isinstance(live, dict):
         return None
@@ -487,13 +487,13 @@ def _liveness(live) -> dict | None:
             "proof_detail": detail if isinstance(detail, str) else ""}
 
 
-def _line(x) -> str | None:
+def _line(x: object) -> str | None:
     """A runtime line's name as an agent reports it (None from an agent before runtime lines, or
     for anything that is not a name: the page shows it in one table cell)."""
     return x if isinstance(x, str) and 0 < len(x) <= 64 else None
 
 
-def _switch(sw) -> dict | None:
+def _switch(sw: object) -> dict | None:
     """The head's switch under way (dspark.lines.state.Switch.to_json()), with how long it has run;
     None when there is none or the record is not one the page can show."""
     if not isinstance(sw, dict) or _line(sw.get("from")) is None or _line(sw.get("to")) is None:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from pathlib import Path
+from typing import Any, Callable
 
 from dspark import __version__
 from dspark.net.server import BoundedHTTPServer, discard_body
@@ -149,7 +150,7 @@ class DashboardServer:
 
             do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse
 
-            def log_message(self, *args) -> None:  # one line per request each second would drown the journal
+            def log_message(self, *args: Any) -> None:  # one line per request each second would drown the journal
                 pass
 
         self.server = BoundedHTTPServer((host.strip("[]"), port), Handler)
@@ -212,7 +213,7 @@ class DashboardServer:
 
 
 def serve(collector: Collector, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, token: str | None = None,
-          on_ready=None) -> int:
+          on_ready: Callable[[DashboardServer], object] | None = None) -> int:
     """Run the collector and the server until SIGTERM or SIGINT. Returns the exit code."""
     from dspark.node.notify import Notifier
 

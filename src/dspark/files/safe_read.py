@@ -20,7 +20,7 @@ import json
 import os
 import stat
 from contextlib import contextmanager
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 MAX_JSON_DEPTH = 64  # an agent's /state nests 4 levels, a model's config.json fewer than 10
 MAX_MODEL_CONFIG_BYTES = 4 * 1024 * 1024   # a model's config.json is a few KiB
@@ -96,7 +96,7 @@ def read_text(path: str | os.PathLike, max_bytes: int) -> str:
     return read_bytes(path, max_bytes).decode("utf-8")
 
 
-def _depth_over(value, limit: int) -> bool:
+def _depth_over(value: Any, limit: int) -> bool:
     """True when `value` nests more than `limit` levels (iterative: no recursion to exhaust)."""
     todo = [(value, 1)]
     while todo:
@@ -111,7 +111,7 @@ def _depth_over(value, limit: int) -> bool:
     return False
 
 
-def parse_json(text: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH):
+def parse_json(text: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """The JSON value of `text`, at most `max_bytes` long and `max_depth` levels deep; anything
     else raises JSONRefused (a ValueError), whatever the text holds."""
     if len(text) > max_bytes:
@@ -127,7 +127,7 @@ def parse_json(text: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_D
     return value
 
 
-def read_json(path: str | os.PathLike, max_bytes: int, max_depth: int = MAX_JSON_DEPTH):
+def read_json(path: str | os.PathLike, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """A regular file's JSON value, within read_bytes' and parse_json's bounds."""
     return parse_json(read_bytes(path, max_bytes), max_bytes=max_bytes, max_depth=max_depth)
 

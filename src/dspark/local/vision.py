@@ -25,9 +25,12 @@ import struct
 import zlib
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dspark.local import model as local_model
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Runtime lines whose vLLM serves this model on the CPU pair, with what serves it; and why the
 # others do not (tried with the CPU build each line installs).
@@ -256,7 +259,7 @@ def _tensor(name: str, shape: tuple[int, ...]) -> bytes:
     return _bfloat16((unit * np.float32(2) - np.float32(1)) * np.float32(_SPREAD))
 
 
-def _bfloat16(values) -> bytes:
+def _bfloat16(values: np.ndarray) -> bytes:
     """float32 values as bfloat16 bytes: the upper half of each (truncated, exact for 0 and 1)."""
     import numpy as np
 

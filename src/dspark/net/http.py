@@ -30,11 +30,14 @@ import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, cast
 
 from dspark.files.safe_read import MAX_JSON_DEPTH, JSONRefused, parse_json as _parse_json
 
 if TYPE_CHECKING:  # annotations only: at run time httpx is imported where it is used
+    import ssl
+
+    import httpcore
     import httpx
 
 __all__ = ["HTTPFailure", "JSONRefused", "MAX_BODY_BYTES", "MAX_STATE_BYTES", "Response", "Stream", "get_json",
@@ -47,7 +50,7 @@ MAX_STATE_BYTES = 1024 * 1024       # an agent's /state is a few KiB
 IDENTITY = "identity"               # the only Content-Encoding read
 
 
-def parse_json(text: bytes | str, *, max_bytes: int = MAX_BODY_BYTES, max_depth: int = MAX_JSON_DEPTH):
+def parse_json(text: bytes | str, *, max_bytes: int = MAX_BODY_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """A peer's JSON answer within dspark.files.safe_read's bounds (JSONRefused, a ValueError, if not)."""
     return _parse_json(text, max_bytes=max_bytes, max_depth=max_depth)
 
@@ -69,7 +72,7 @@ class Response:
     body: bytes
     elapsed_s: float
 
-    def json(self, max_depth: int = MAX_JSON_DEPTH):
+    def json(self, max_depth: int = MAX_JSON_DEPTH) -> Any:
         """The body as JSON within `parse_json`'s bounds; JSONRefused (a ValueError) if not."""
         return parse_json(self.body, max_depth=max_depth)
 
@@ -93,7 +96,7 @@ def _left(deadline: float, timeout: float | None) -> float | None:
     return left
 
 
-def _by_deadline(deadline: float, step, timeout: float | None, *args, **kwargs):
+def _by_deadline(deadline: float, step: Callable[..., Any], timeout: float | None, *args: Any, **kwargs: Any) -> Any:
     """`step(*args, timeout=..., **kwargs)` within the deadline; a timeout at or past it is the
     deadline's."""
     import httpcore
@@ -110,7 +113,7 @@ class _DeadlineStream:
     """One connection (httpcore's NetworkStream interface) whose every read and write waits at
     most what is left of its request's deadline: a byte at a time no longer resets the clock."""
 
-    def __init__(self, inner, deadline: float):
+    def __init__(self, inner: httpcore.NetworkStream, deadline: float) -> None:
         self._inner, self._deadline = inner, deadline
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
@@ -122,11 +125,12 @@ class _DeadlineStream:
     def close(self) -> None:
         self._inner.close()
 
-    def start_tls(self, ssl_context, server_hostname: str | None = None, timeout: float | None = None):
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                  timeout: float | None = None) -> _DeadlineStream:
         tls = _by_deadline(self._deadline, self._inner.start_tls, timeout, ssl_context, server_hostname)
         return _DeadlineStream(tls, self._deadline)
 
-    def get_extra_info(self, info: str):
+    def get_extra_info(self, info: str) -> Any:
         return self._inner.get_extra_info(info)
 
 
@@ -134,17 +138,18 @@ class _DeadlineBackend:
     """httpcore's network backend, with the connect and the connection bound by the deadline of
     the request that opens it."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: httpcore.NetworkBackend) -> None:
         self._inner = inner
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options=None):
+                    socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None) -> _DeadlineStream:
         deadline = _deadline.get()
         sock = _by_deadline(deadline, self._inner.connect_tcp, timeout, host, port,
                             local_address=local_address, socket_options=socket_options)
         return _DeadlineStream(sock, deadline)
 
-    def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options=None):
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None) -> _DeadlineStream:
         deadline = _deadline.get()
         sock = _by_deadline(deadline, self._inner.connect_unix_socket, timeout, path,
                             socket_options=socket_options)
@@ -154,10 +159,10 @@ class _DeadlineBackend:
         self._inner.sleep(seconds)
 
 
-_client = None
+_client: httpx.Client | None = None
 
 
-def client():
+def client() -> httpx.Client:
     """The process's httpx client (built once, on first use: importing httpx costs ~0.1 s,
     which `dspark --help` must not pay). No keep-alive: every request opens its own
     connection, so a restarted server is seen as such (a refused connection), and a
@@ -171,9 +176,10 @@ def client():
         transport = httpx.HTTPTransport()
         # httpx has no argument for httpcore's network backend, so its pool is built here with
         # the same (public) settings and the deadline's backend; tests/test_http_bomb.py proves it.
+        # (_DeadlineBackend implements NetworkBackend's interface without subclassing it.)
+        backend = cast("httpcore.NetworkBackend", _DeadlineBackend(httpcore.SyncBackend()))
         transport._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(), max_connections=None,
-                                                  max_keepalive_connections=0,
-                                                  network_backend=_DeadlineBackend(httpcore.SyncBackend()))
+                                                  max_keepalive_connections=0, network_backend=backend)
         _client = httpx.Client(follow_redirects=True, max_redirects=MAX_REDIRECTS, transport=transport,
                                headers={"Accept-Encoding": IDENTITY})
     return _client
@@ -309,7 +315,7 @@ def request(url: str, *, data: dict | None = None, timeout: float = 5.0, token: 
         return Response(s.status, body, time.monotonic() - t0)
 
 
-def get_json(url: str, timeout: float = 5.0, token: str | None = None, max_bytes: int = MAX_BODY_BYTES):
+def get_json(url: str, timeout: float = 5.0, token: str | None = None, max_bytes: int = MAX_BODY_BYTES) -> Any:
     """A 200 answer's JSON value (at most `max_bytes`, MAX_JSON_DEPTH deep); HTTPFailure if not."""
     r = request(url, timeout=timeout, token=token, max_bytes=max_bytes)
     if r.status != 200:

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import cast
+from typing import Any, Callable, cast
 
 SOCKET_TIMEOUT_S = 10.0  # a whole request, from the accept: its head, its body, the answer's writes
 MAX_CONNECTIONS = 32     # handler threads: requests whose head is complete
@@ -50,7 +50,7 @@ class _Deadlined(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:
+    def readinto(self, b: memoryview) -> int:  # type: ignore[override]  # typeshed: any writable buffer
         if self.head:
             n = min(len(b), len(self.head))
             b[:n], self.head = self.head[:n], self.head[n:]
@@ -71,13 +71,13 @@ class _Connection:
     def __init__(self, sock: socket.socket, head: bytes, deadline: float):
         self._sock, self._head, self._deadline = sock, head, deadline
 
-    def makefile(self, mode: str = "r", buffering: int = -1):
+    def makefile(self, mode: str = "r", buffering: int = -1) -> io.IOBase:
         if "r" in mode:
             return io.BufferedReader(_Deadlined(self._sock, self._head, self._deadline))
         # typeshed's overloads want a Literal mode; this passes on the caller's (a write mode)
         return self._sock.makefile(mode, buffering)  # type: ignore[call-overload]
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
 
 
@@ -85,10 +85,11 @@ class _HeadReader:
     """One thread that reads every pending connection's request head without blocking, and
     hands each complete one to `ready(sock, addr, head, deadline)`."""
 
-    def __init__(self, ready, drop, timeout_s: float):
+    def __init__(self, ready: Callable[[socket.socket, Any, bytes, float], None],
+                 drop: Callable[[socket.socket], None], timeout_s: float):
         self.ready, self.drop, self.timeout_s = ready, drop, timeout_s
         self.sel = selectors.DefaultSelector()
-        self.pending: OrderedDict = OrderedDict()  # sock -> [addr, bytes so far, deadline]
+        self.pending: OrderedDict[socket.socket, list[Any]] = OrderedDict()  # sock -> [addr, bytes so far, deadline]
         self.lock = threading.Lock()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
@@ -97,7 +98,7 @@ class _HeadReader:
         self.thread = threading.Thread(target=self._run, name="http-heads", daemon=True)
         self.thread.start()
 
-    def add(self, sock: socket.socket, addr) -> None:
+    def add(self, sock: socket.socket, addr: Any) -> None:
         sock.setblocking(False)
         with self.lock:
             if self.stopping:
@@ -117,7 +118,7 @@ class _HeadReader:
         except OSError:
             pass
 
-    def _forget(self, sock) -> None:
+    def _forget(self, sock: socket.socket) -> None:
         try:
             self.sel.unregister(sock)
         except (KeyError, ValueError, OSError):
@@ -136,7 +137,7 @@ class _HeadReader:
                     except OSError:
                         pass
                     continue
-                self._read(key.fileobj)
+                self._read(cast(socket.socket, key.fileobj))  # registered by add(): a socket
             now = time.monotonic()
             with self.lock:
                 late = [s for s, (_, _, dl) in self.pending.items() if dl <= now]
@@ -146,7 +147,7 @@ class _HeadReader:
             for sock in late:
                 self.drop(sock)
 
-    def _read(self, sock) -> None:
+    def _read(self, sock: socket.socket) -> None:
         with self.lock:
             entry = self.pending.get(sock)
         if entry is None:
@@ -225,10 +226,10 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         self.server_name, self.server_port = cast(str, host), port  # an AF_INET/AF_INET6 name: str host
 
-    def process_request(self, request, client_address) -> None:
-        self._heads.add(request, client_address)  # no thread until its head is complete
+    def process_request(self, request: socket.socket | tuple[bytes, socket.socket], client_address: Any) -> None:
+        self._heads.add(cast(socket.socket, request), client_address)  # no thread until its head is complete
 
-    def _head_done(self, request, client_address, head: bytes, deadline: float) -> None:
+    def _head_done(self, request: socket.socket, client_address: Any, head: bytes, deadline: float) -> None:
         if not self._slots.acquire(blocking=False):
             self.shutdown_request(request)  # at the cap: no thread for this one
             return
@@ -242,7 +243,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self.shutdown_request(request)
             raise
 
-    def shutdown_request(self, request) -> None:
+    def shutdown_request(self, request: Any) -> None:  # a socket, or the _Connection for one
         sock = request._sock if isinstance(request, _Connection) else request
         super().shutdown_request(sock)
 
@@ -250,7 +251,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._heads.stop()
         super().server_close()
 
-    def process_request_thread(self, request, client_address) -> None:
+    def process_request_thread(self, request: Any, client_address: Any) -> None:  # a _Connection
         try:
             super().process_request_thread(request, client_address)
         finally:

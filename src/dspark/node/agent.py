@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -164,7 +164,7 @@ class Agent:
 
             do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
 
-            def log_message(self, *args) -> None:  # keep the journal for the supervisor's own lines
+            def log_message(self, *args: Any) -> None:  # keep the journal for the supervisor's own lines
                 pass
 
         self.server = BoundedHTTPServer((host, port), Handler)  # socket timeout, connection cap

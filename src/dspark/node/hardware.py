@@ -77,7 +77,7 @@ class Gpu:
             return out
 
 
-def _text(v) -> str:
+def _text(v: object) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: nothing more to import at run time
     from types import FrameType
-    from typing import Any, Callable
+    from typing import Any, Callable, Iterable
 
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 WAKE = 0  # not a signal: a background probe has finished, look now rather than at the next tick
@@ -30,7 +30,7 @@ class SignalQueue:
         self.first: int | None = None  # the first signal received, kept after get() took it
         self.received = 0  # how many signals arrived (a second Ctrl-C: `local up` kills at once)
 
-    def install(self, signals=HANDLED) -> "SignalQueue":
+    def install(self, signals: Iterable[int] = HANDLED) -> "SignalQueue":
         for sig in signals:
             old = signal.signal(sig, self._record)
             self._old.setdefault(sig, old)
@@ -42,7 +42,7 @@ class SignalQueue:
             signal.signal(sig, old)
         self._old.clear()
 
-    def _record(self, signum, frame) -> None:  # a handler does nothing else
+    def _record(self, signum: int, frame: FrameType | None) -> None:  # a handler does nothing else
         if self.first is None:
             self.first = signum
         self.received += 1

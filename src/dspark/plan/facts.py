@@ -26,7 +26,7 @@ GiB = 1 << 30
 # The serving settings the plan assumes when told nothing are the cluster file's own defaults
 # (dspark.config.validate's [serving] fields: the seed's tested settings on one GB10 node): one fact,
 # one place.
-def serving_default(name: str):
+def serving_default(name: str) -> Any:
     """The cluster file's default for a [serving] field."""
     import dataclasses
 

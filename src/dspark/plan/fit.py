@@ -372,7 +372,7 @@ def plan_from_facts(facts: ModelFacts, inputs: PlanInputs) -> Plan:
     )
 
 
-def _concurrency(facts: ModelFacts, inputs: PlanInputs, num_blocks: int):
+def _concurrency(facts: ModelFacts, inputs: PlanInputs, num_blocks: int) -> tuple[Scheduling, int, int, int]:
     """(scheduling, context at max_num_seqs, full-length requests, admission reserve)."""
     sched = scheduling(kv_layout(facts, inputs), num_blocks, inputs)
     mml = inputs.max_model_len

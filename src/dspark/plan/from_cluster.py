@@ -4,14 +4,19 @@ serve` before it starts vLLM). Formerly dspark/planning.py."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from dspark.lines import runtime as runtime_lines
 from dspark.plan.facts import GiB, serving_default
 from dspark.plan.fit import Plan, make_plan
 from dspark.plan.inputs import PlanInputs
 
+if TYPE_CHECKING:
+    from dspark.config.schema import Cluster, ServingConfig
 
-def line_kv_cache_dtype(serving) -> str:
+
+def line_kv_cache_dtype(serving: ServingConfig) -> str:
     """The KV-cache dtype vLLM runs: the cluster file's (the seed line's vocabulary) as the node's
     runtime line sends it (v0.32.0 sends the seed's nvfp4_ds_mla as fp8_ds_mla, whose pages are
     padded to 576 bytes); the file's own where the line refuses it (config check says so)."""
@@ -24,7 +29,7 @@ def line_kv_cache_dtype(serving) -> str:
     return sent or dtype
 
 
-def plan_inputs(cluster, model_dir: Path | None = None) -> PlanInputs:
+def plan_inputs(cluster: Cluster | SimpleNamespace, model_dir: Path | None = None) -> PlanInputs:
     """The plan's inputs from a config.Cluster (its serving section and model path)."""
     s = cluster.serving
     util = s.gpu_memory_utilization
@@ -48,5 +53,5 @@ def plan_inputs(cluster, model_dir: Path | None = None) -> PlanInputs:
     )
 
 
-def plan_for_cluster(cluster, model_dir: Path | None = None) -> Plan:
+def plan_for_cluster(cluster: Cluster, model_dir: Path | None = None) -> Plan:
     return make_plan(plan_inputs(cluster, model_dir))

@@ -22,10 +22,15 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, TypeVar
 
 from dspark.config.schema import Cluster, NodeConfig
 from dspark.preflight.result import Check, Report, fail, ok, warn
+
+if TYPE_CHECKING:
+    from dspark.preflight.peer import PortUse
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -156,7 +161,7 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
     return report
 
 
-def _guard_value(fn):
+def _guard_value(fn: Callable[[], T]) -> T | None:
     try:
         return fn()
     except Exception:  # noqa: BLE001 (an optional fact: its absence is reported by the check using it)
@@ -242,7 +247,7 @@ def _wait_for_ports(cluster: Cluster, node: NodeConfig, host: Host, names: set[s
         delay = min(delay * 2, PORT_RETRY_MAX_S)
 
 
-def _held(ports, still: str) -> str:
+def _held(ports: Iterable[PortUse], still: str) -> str:
     return "; ".join(f"{u.name}: {u.host}:{u.port} is {still}held by {u.holder()}" for u in ports)
 
 

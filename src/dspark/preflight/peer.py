@@ -17,6 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from dspark.config.schema import Cluster, NodeConfig
 from dspark.files.safe_read import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_INDEX_BYTES, read_bytes
@@ -333,7 +334,7 @@ def check_ports(cluster: Cluster, node: NodeConfig, proc: Path, own_state: dict 
     return out
 
 
-def check_api_access(node: NodeConfig, environ) -> list[Check]:
+def check_api_access(node: NodeConfig, environ: Mapping[str, str]) -> list[Check]:
     """Who can reach the head's API: closed (the fabric address, loopback) or guarded by an API
     key is ok; bound wider without a key (in this environment: DSPARK_API_KEY, VLLM_API_KEY,
     the 'api-key' credential or DSPARK_API_KEY_FILE) is a warn saying how to close it."""
@@ -442,7 +443,7 @@ def _compare_line(name: str, peer: str, mine: str | None, theirs: str | None) ->
     return [ok(label, f"same runtime line as {peer}: {mine}")]
 
 
-def _follows(name: str, node: NodeConfig, peer: NodeConfig, mine: dict, theirs: dict, line) -> Check | None:
+def _follows(name: str, node: NodeConfig, peer: NodeConfig, mine: dict, theirs: dict, line: object) -> Check | None:
     """Two lines of one cluster file are not a refusal: the workers follow their head's line when
     the pair forms (node_policy: a worker switches to it, the head does not refuse it). So a node
     restarted on its own while the pair switches lines, or rolls a switch back, rejoins; a refusal

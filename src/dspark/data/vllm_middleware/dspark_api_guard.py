@@ -19,6 +19,16 @@ import hashlib
 import json
 import os
 import secrets
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # ASGI's types, spelled out here: this file imports no dspark and no Starlette types
+    from typing import Any, Awaitable, Callable, MutableMapping
+
+    Scope = MutableMapping[str, Any]
+    Message = MutableMapping[str, Any]
+    Receive = Callable[[], Awaitable[Message]]
+    Send = Callable[[Message], Awaitable[None]]
+    ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health"})
 KEY_ENV = "VLLM_API_KEY"
@@ -31,19 +41,19 @@ def _digest(text: str) -> bytes:
 class GuardEveryRoute:
     """Answer 401 to a request on any route but OPEN_PATHS without `Authorization: Bearer <key>`."""
 
-    def __init__(self, app, key: str | None = None) -> None:
+    def __init__(self, app: ASGIApp, key: str | None = None) -> None:
         self.app = app
         key = os.environ.get(KEY_ENV) if key is None else key
         self.key = _digest(key) if key else None
 
-    def _allowed(self, scope, key: bytes) -> bool:
+    def _allowed(self, scope: Scope, key: bytes) -> bool:
         for name, value in scope.get("headers") or ():
             if name.lower() == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 return scheme.lower() == "bearer" and secrets.compare_digest(_digest(token.strip()), key)
         return False
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.key
         if key is None or scope.get("type") not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
