@@ -13,8 +13,8 @@ fresh prompts; with input length <= the KV block size no prefix-cache hit is pos
 the server's own counters (prompt tokens, generation tokens, prefix-cache hits) are printed
 for every run to show the two clients gave the server identical work.
 
-    .venv/bin/python benchmarks/bench_fidelity.py                 # starts its own local pair
-    .venv/bin/python benchmarks/bench_fidelity.py --url http://127.0.0.1:8000 --model dspark-local
+    .venv/bin/python -m benchmarks.bench_fidelity                 # starts its own local pair
+    .venv/bin/python -m benchmarks.bench_fidelity --url http://127.0.0.1:8000 --model dspark-local
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from pairlib import start_pair  # noqa: E402  (`dspark local up` on free loopback ports)
+from tests.harness.pair import start_pair  # noqa: E402  (`dspark local up` on free loopback ports)
 
 from dspark.bench import decode, prompts  # noqa: E402
 from dspark.bench.client import Target, describe, scrape  # noqa: E402
@@ -196,7 +195,7 @@ def main() -> int:
                     jobs.append(vllm_argv(url, model, tokenizer, trace, n, c, work, f"vllm-c{c}-r{r}.json"))
                     keys.append((c, r))
             log("deriving the token ids vllm bench serve will send ...")
-            derived = dict(zip(keys, derive_prompts(jobs, work)))
+            derived = dict(zip(keys, derive_prompts(jobs, work), strict=True))
             for (c, r), ps in derived.items():
                 assert len(ps) == c * a.rounds and all(len(p) == a.input_len for p in ps), (c, r)
             # Untimed warm-up on both paths (first requests pay one-off costs).
@@ -211,10 +210,10 @@ def main() -> int:
                     for tool in order:
                         log(f"c={c} repeat {r}: {tool} ...")
                         if tool == "vllm":
-                            res, srv = server_work(target, model, lambda: run_vllm(
+                            res, srv = server_work(target, model, lambda c=c, r=r: run_vllm(
                                 jobs[keys.index((c, r))], work / f"vllm-c{c}-r{r}.json"))
                         else:
-                            res, srv = server_work(target, model, lambda: run_dspark(
+                            res, srv = server_work(target, model, lambda c=c, r=r: run_dspark(
                                 target, c, derived[(c, r)], a.output_len, a.input_len))
                         res["server"] = srv
                         res["prompt_set_sha256"] = prompts.set_fingerprint(
@@ -224,7 +223,7 @@ def main() -> int:
                 v = statistics.median(x["tok_s"] for x in runs["vllm"])
                 # Each repeat's two runs ran back to back under the same background load: their
                 # ratio is the fair one on a shared machine; the median over repeats is the figure.
-                paired = [x["tok_s"] / y["tok_s"] for x, y in zip(runs["dspark"], runs["vllm"])]
+                paired = [x["tok_s"] / y["tok_s"] for x, y in zip(runs["dspark"], runs["vllm"], strict=True)]
                 rows.append({"concurrency": c, "dspark": runs["dspark"], "vllm": runs["vllm"],
                              "dspark_tok_s": d, "vllm_tok_s": v, "ratio_of_medians": d / v,
                              "paired_ratios": paired, "ratio": statistics.median(paired)})

@@ -13,8 +13,8 @@ drift of the machine falls on both equally:
 Decode throughput in a window is the change of vLLM's own `vllm:generation_tokens` counter over
 the window's duration, read at its start and end in both conditions alike.
 
-  .venv/bin/python benchmarks/dashboard_overhead.py                 # starts a local pair itself
-  .venv/bin/python benchmarks/dashboard_overhead.py --cluster /etc/dspark/cluster.toml
+  .venv/bin/python -m benchmarks.dashboard_overhead                 # starts a local pair itself
+  .venv/bin/python -m benchmarks.dashboard_overhead --cluster /etc/dspark/cluster.toml
 
 Target: the dashboard costs under 2% of decode throughput.
 """
@@ -34,10 +34,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
-from dashboard.helpers import DashboardProcess  # noqa: E402  (`dspark dashboard`, as the tests run it)
-from pairlib import start_pair  # noqa: E402  (`dspark local up` on free loopback ports)
+from tests.harness.dashboard import DashboardProcess  # noqa: E402  (`dspark dashboard`, as the tests run it)
+from tests.harness.pair import start_pair  # noqa: E402  (`dspark local up` on free loopback ports)
 
 TARGET_PCT = 2.0
 
@@ -209,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "src"))
     from dspark.config.validate import load
 
     tmp = Path(tempfile.mkdtemp(prefix="dspark-dash-bench-"))
@@ -259,11 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     wo, wi = statistics.mean(results["without"]), statistics.mean(results["with"])
     overhead = (wo - wi) / wo * 100
     # per round: the paired difference, so a drift of the machine between rounds cancels
-    paired = [(a - b) / a * 100 for a, b in zip(results["without"], results["with"])]
+    paired = [(a - b) / a * 100 for a, b in zip(results["without"], results["with"], strict=True)]
     spread = statistics.stdev(paired) if len(paired) > 1 else float("nan")
     print()
     print(f"{'round':>5}  {'without':>10}  {'with':>10}  {'overhead':>9}")
-    for i, (a, b, p) in enumerate(zip(results["without"], results["with"], paired)):
+    for i, (a, b, p) in enumerate(zip(results["without"], results["with"], paired, strict=True)):
         print(f"{i + 1:>5}  {a:>10.2f}  {b:>10.2f}  {p:>8.2f}%")
     print(f"{'mean':>5}  {wo:>10.2f}  {wi:>10.2f}  {overhead:>8.2f}%   (decode tok/s; paired stdev {spread:.2f} pts)")
     print(f"dashboard process CPU while open: {statistics.mean(cpu_share) * 100:.2f}% of one core "

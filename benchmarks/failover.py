@@ -1,7 +1,7 @@
 """Failover of the local appliance under systemd: a dead worker, a wedged one, a saturated pair.
 
 Runs the real local pair (vLLM CPU build) with the project's own units in a throwaway
-systemd-nspawn container (tests/systemd/nspawn_container.py; root, systemd-container), puts
+systemd-nspawn container (tests/harness/nspawn_container.py; root, systemd-container), puts
 a bounded load of real completions on the head's API (loopback), and for each case prints
 detection time and requests lost:
   - kill:       kill -9 the worker's vLLM
@@ -18,7 +18,7 @@ within --hang-s), silently dropped (HTTP 200 without a completion).
 TP=4, each worker an instance of dspark-worker@.service), and prints the figures side by side;
 the fault strikes the highest-ranked worker (`--worker-rank` picks another).
 
-    sudo .venv/bin/python benchmarks/failover.py [--case kill --case wedge ...] [--nodes 2,4] [--json]
+    sudo .venv/bin/python -m benchmarks.failover [--case kill --case wedge ...] [--nodes 2,4] [--json]
 """
 
 from __future__ import annotations
@@ -32,15 +32,13 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("systemd", ".")]
 
-from appliance import Appliance, install  # noqa: E402
-from nspawn_container import Container, missing_requirements  # noqa: E402
+from tests.harness.appliance import Appliance, install  # noqa: E402
+from tests.harness.nspawn_container import Container, missing_requirements  # noqa: E402
 
 from dspark.local.appliance import HEAD_NAME, SERVED_NAME, node_name  # noqa: E402
-from pairlib import node_counts_arg  # noqa: E402
+from tests.harness.pair import node_counts_arg  # noqa: E402
 
 COMPLETED, HTTP_ERROR, CONN_ERROR, HUNG, DROPPED = "completed", "http_error", "connection_error", "hung", "dropped"
 

@@ -71,7 +71,6 @@ def stock_tree():
 def patched_copy(dest: Path, overlay_dir: Path, source: Path | None = None) -> Path:
     """A copy of the installed vLLM tree (or of the site directory ``source``) with the overlay
     series (a directory or a series file) applied."""
-    sys.path.insert(0, str(REPO / "src"))
     from dspark.lines.overlay import apply_series
 
     source = source or _site_packages()
@@ -90,15 +89,14 @@ def collect(cluster: Path, overlay_dir: Path = REPO / "overlay", site: Path | No
         tmp = Path(tmp)
         if site is None:
             site = patched_copy(tmp / "site", overlay_dir)
-        sys.path.insert(0, str(OVERLAY_TESTS))
-        import b12x_standin
+        from tests.overlay import b12x_standin
 
         standin = b12x_standin.write_package(tmp / "standin")
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
-                   PYTHONPATH=os.pathsep.join(map(str, (site, standin, OVERLAY_TESTS, REPO / "src"))))
+                   PYTHONPATH=os.pathsep.join(map(str, (site, standin, REPO / "src"))))
         env.pop("PYTHONWARNINGS", None)
-        r = subprocess.run([sys.executable, str(CHECKS), str(site), str(cluster)],
-                           capture_output=True, text=True, env=env, timeout=timeout, check=False)
+        r = subprocess.run([sys.executable, "-m", "tests.overlay.coverage_checks", str(site), str(cluster)],
+                           capture_output=True, text=True, env=env, timeout=timeout, check=False, cwd=REPO)
     for line in r.stdout.splitlines():
         if line.startswith("@@RESULTS@@"):
             return json.loads(line[len("@@RESULTS@@"):])
@@ -172,7 +170,6 @@ GRID_MARKS = {"exact": ".", "padded": "p", "eager": "x"}
 def grid_cases() -> list[dict]:
     """Each grid point twice: the former rule (multiples of k + 1 only) and dspark's list now
     (ServingConfig.capture_sizes, what render passes as --cudagraph-capture-sizes)."""
-    sys.path.insert(0, str(REPO / "src"))
     from dspark.config.schema import ServingConfig
 
     out = []
@@ -189,7 +186,6 @@ def grid_cases() -> list[dict]:
 def grid_lines() -> dict[str, tuple[Path, str]]:
     """line -> (its vLLM site directory, its Python) for each runtime line installed here: the
     default line in this environment, the others under dspark.local.appliance.lines_dir()."""
-    sys.path.insert(0, str(REPO / "src"))
     from dspark.lines import runtime as runtime_lines
     from dspark.local.appliance import lines_dir
 
@@ -205,7 +201,6 @@ def grid_lines() -> dict[str, tuple[Path, str]]:
 def collect_grid(line: str, timeout: float = 1800) -> dict:
     """Every grid case through vLLM's own managers (graph_grid_checks.py) on a copy of the line's
     vLLM with the line's series applied, in the line's Python."""
-    sys.path.insert(0, str(REPO / "src"))
     from dspark.lines.overlay import line_series
 
     installed = grid_lines()
@@ -219,10 +214,10 @@ def collect_grid(line: str, timeout: float = 1800) -> dict:
         cases = tmp / "cases.json"
         cases.write_text(json.dumps(todo))
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
-                   PYTHONPATH=os.pathsep.join(map(str, (site, OVERLAY_TESTS))))
+                   PYTHONPATH=str(site))
         env.pop("PYTHONWARNINGS", None)
-        r = subprocess.run([python, str(GRID_CHECKS), str(site), str(cases)], capture_output=True, text=True,
-                           env=env, timeout=timeout, check=False)
+        r = subprocess.run([python, "-m", "tests.overlay.graph_grid_checks", str(site), str(cases)],
+                           capture_output=True, text=True, env=env, timeout=timeout, check=False, cwd=REPO)
     for out in r.stdout.splitlines():
         if out.startswith("@@RESULTS@@"):
             return {"line": line, "cases": todo, "results": json.loads(out[len("@@RESULTS@@"):])}
@@ -243,7 +238,7 @@ def grid_summary(result: dict) -> dict:
     """Per kind (before, now) and role: how many grid points are exact, padded, eager; and the
     graphs the managers would capture, summed over the grid."""
     out: dict = {}
-    for case, got in zip(result["cases"], result["results"]):
+    for case, got in zip(result["cases"], result["results"], strict=True):
         kind = out.setdefault(case["kind"], {"points": 0, "graphs": {"target": 0, "draft": 0}})
         kind["points"] += 1
         for role in ("target", "draft"):
@@ -254,7 +249,7 @@ def grid_summary(result: dict) -> dict:
 
 
 def grid_report(result: dict) -> str:
-    by = {(c["kind"], c["S"], c["k"]): g for c, g in zip(result["cases"], result["results"])}
+    by = {(c["kind"], c["S"], c["k"]): g for c, g in zip(result["cases"], result["results"], strict=True)}
     cases = {(c["kind"], c["S"], c["k"]): c for c in result["cases"]}
     lines = [f"line {result['line']}: DSpark draft batches of 1..S requests, S = {GRID_SEQS[0]}..{GRID_SEQS[-1]} "
              f"(columns) x k = {GRID_K[0]}..{GRID_K[-1]} (rows); '.' every batch in a FULL graph of its own "

@@ -30,9 +30,9 @@ tried as well: there vLLM preempts in bands a few tokens wide (0.7 x 4: 688 fail
 A setting passes when the plan is at most vLLM's figure and at least 95% of it. Exit 1 if
 any does not.
 
-    .venv/bin/python benchmarks/plan_vs_scheduler.py              # the grid, about 20 min on 2 cores
-    .venv/bin/python benchmarks/plan_vs_scheduler.py --only "0.78 x 12"
-"""
+    .venv/bin/python -m benchmarks.plan_vs_scheduler              # the grid, about 20 min on 2 cores
+    .venv/bin/python -m benchmarks.plan_vs_scheduler --only "0.78 x 12"
+"""  # noqa: E501 (the --help epilog, printed as written)
 
 from __future__ import annotations
 
@@ -73,10 +73,6 @@ SETTINGS: list[tuple[str, dict]] = [
 
 def plans(only: list[str] | None = None):
     """(name, plan) per setting: the published checkpoint at the config defaults + change."""
-    try:
-        import dspark  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO / "src"))
     from dspark.plan.fit import plan_from_facts
     from dspark.plan.published import plan_published, published_facts
 
@@ -159,8 +155,8 @@ def simulate(site: Path, all_cases: list[dict], timeout: float) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1",
                VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
     env.pop("PYTHONWARNINGS", None)
-    r = subprocess.run([sys.executable, str(SIM), str(site), json.dumps(all_cases)],
-                       capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    r = subprocess.run([sys.executable, "-m", "tests.overlay.scheduler_sim", str(site), json.dumps(all_cases)],
+                       capture_output=True, text=True, env=env, timeout=timeout, check=False, cwd=REPO)
     for line in r.stdout.splitlines():
         if line.startswith("@@RESULTS@@"):
             return json.loads(line[len("@@RESULTS@@"):])
@@ -175,7 +171,7 @@ def compare(only: list[str] | None = None, site: Path | None = None, timeout: fl
     with tempfile.TemporaryDirectory() as tmp:
         results = simulate(site or patched_site(Path(tmp) / "site"), all_cases, timeout)
     return [{"setting": name, "plan": plan, "vllm": res}
-            for (name, plan), res in zip(chosen, results)]
+            for (name, plan), res in zip(chosen, results, strict=True)]
 
 
 def verdict(row: dict) -> list[str]:

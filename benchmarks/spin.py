@@ -25,7 +25,7 @@ the installed vLLM lacks the local series (run .ci/setup). Runs alternate (stock
 stock, patched, ... with `--rounds`) so that load from anything else falls on both alike. Run it
 on an otherwise idle machine: every figure is the whole machine's CPU as the pair shares it.
 
-    .venv/bin/python benchmarks/spin.py [--rounds 1] [--idle-s 60] [--requests 3] [--tokens 150]
+    .venv/bin/python -m benchmarks.spin [--rounds 1] [--idle-s 60] [--requests 3] [--tokens 150]
         [--busy 0] [--py-spy PATH] [--only stock|patched] [--json OUT]
 """
 
@@ -44,9 +44,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
 
-from pairlib import kill_leftovers, start_pair  # noqa: E402  (shared with the tests)
+from tests.harness.pair import kill_leftovers, start_pair  # noqa: E402  (shared with the tests)
 
 from dspark.local import appliance as L  # noqa: E402
 
@@ -248,7 +247,7 @@ def stream_arrivals(port: int, tokens: int, seed: int, arrivals: list[float] | N
 
 def gap_summary(runs: list[list[float]]) -> dict:
     """Inter-token gaps of every run (between consecutive tokens of one stream), in ms."""
-    gaps = sorted(b - a for arr in runs for a, b in zip(arr, arr[1:]))
+    gaps = sorted(b - a for arr in runs for a, b in zip(arr, arr[1:], strict=False))
     if not gaps:
         return {"gaps": 0}
     p99 = gaps[min(len(gaps) - 1, int(round(0.99 * (len(gaps) - 1))))]
@@ -304,13 +303,14 @@ def measure(label: str, env: dict[str, str], workdir: Path, args) -> dict:
         stacks = {a: text for a, text in (dumper.dumps if dumper else [])}
         traces = [{"gap_s": round(b - a, 3), "threads": sampler.window(a, b),
                    **({"stacks": stacks[a]} if a in stacks else {})}
-                  for arr in runs for a, b in zip(arr, arr[1:]) if b - a > GAP_S][:5]
+                  for arr in runs for a, b in zip(arr, arr[1:], strict=False) if b - a > GAP_S][:5]
         waits = {}
         for p in pids:
             w1 = run_queue_wait_s(p)
             if w1 is not None and wait0.get(p) is not None and w1 - wait0[p] > 0.05:
                 waits[f"{name(p)} ({p})"] = {"run_queue_wait_s": round(w1 - wait0[p], 2),
-                                             "cpus": sorted(os.sched_getaffinity(p)) if Path(f"/proc/{p}").exists() else None}
+                                             "cpus": sorted(os.sched_getaffinity(p)) if Path(f"/proc/{p}").exists()
+                                             else None}
         return {"variant": label, "env": env, "idle_cores": round(cores, 4), "idle_s": args.idle_s,
                 "busy": args.busy,
                 "decode": gap_summary(runs), "requests": args.requests, "tokens": args.tokens,
@@ -334,7 +334,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if r["run_queue_waits_during_decode"]:
             out.append(f"\n{r['variant']}: run-queue wait during the decode (main threads over 0.05 s), CPUs allowed:")
-            for proc, w in sorted(r["run_queue_waits_during_decode"].items(), key=lambda kv: -kv[1]["run_queue_wait_s"]):
+            for proc, w in sorted(r["run_queue_waits_during_decode"].items(),
+                                  key=lambda kv: -kv[1]["run_queue_wait_s"]):
                 out.append(f"  {proc}: {w['run_queue_wait_s']} s, CPUs {w['cpus']}")
         for g in r.get("gap_traces") or []:
             out.append(f"\n{r['variant']}: a {g['gap_s']} s gap; the threads that ran or waited in it:")

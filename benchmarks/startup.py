@@ -14,7 +14,7 @@ the machine falls on both alike. `--nodes 2,4` measures the local appliance at e
 (tensor parallel over all of them: the workers first, the head once every worker is in the
 rendezvous) and prints the figures side by side. Usage:
 
-    .venv/bin/python benchmarks/startup.py [--rounds 2] [--nodes 2,4] [--json OUT]
+    .venv/bin/python -m benchmarks.startup [--rounds 2] [--nodes 2,4] [--json OUT]
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from pairlib import node_counts_arg, pick_ports  # noqa: E402  (shared with the tests)
+from tests.harness.pair import node_counts_arg, pick_ports  # noqa: E402  (shared with the tests)
 
 from dspark.config import validate as C  # noqa: E402
 from dspark.local import appliance as L  # noqa: E402

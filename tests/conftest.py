@@ -1,8 +1,8 @@
 """Shared fixtures. The real local vLLM pair is started once per pytest session (`local_pair`)
 and shared by every test that does not change it; a test that must change its pair (a kill, a
 stop) takes a `fresh_pair` of its own and says why in one line. Every real start-up is recorded
-(pairlib.record_start_ups) and .ci/run prints the count. Helpers live in pairlib.py (a module of
-its own name: test folders have conftest.py files of their own)."""
+(tests.harness.pair.record_start_ups) and .ci/run prints the count. Helpers shared by the test
+folders live in tests/harness/ (tests is a package: everything imports as tests.harness.*)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pairlib import ARTIFACTS, kill_leftovers, start_pair, vllm_groups
-from standin_lib import Serve
+from tests.harness.pair import ARTIFACTS, kill_leftovers, start_pair, vllm_groups
+from tests.harness.standin import Serve
 
 
 def _pair_fixture(workdir: Path, nodes: int = 2, env: dict[str, str] | None = None):
@@ -32,7 +32,7 @@ def local_pair(tmp_path_factory):
     Ctrl-C. Where the second runtime line is installed, the pair knows it behind the switch
     tests' wrapper (switch_lib), in mode ok: the real vLLM of that line (`pair.lines`)."""
     from dspark.local import appliance as local
-    from switch_lib import second_line_wrapped
+    from tests.harness.switch import second_line_wrapped
 
     lines = second_line_wrapped(tmp_path_factory.mktemp("lines"))
     for pair in _pair_fixture(tmp_path_factory.mktemp("pair"),
@@ -51,7 +51,7 @@ def local_ring(tmp_path_factory):
 @pytest.fixture
 def fresh_pair(tmp_path):
     """A pair of this test's own, for a test that breaks it before others could read it (the kill -9
-    of a vLLM, tests/test_no_orphans.py)."""
+    of a vLLM, tests/local/test_no_orphans.py)."""
     yield from _pair_fixture(tmp_path / "pair")
 
 
@@ -59,7 +59,7 @@ def fresh_pair(tmp_path):
 def browser():
     """Headless Chromium through Selenium (dashboard/browser.py), for the dashboard's pages and
     the local ring's; skips where Chromium is not installed."""
-    from dashboard.browser import chromium
+    from tests.harness.browser import chromium
 
     with chromium() as driver:
         yield driver
@@ -67,7 +67,7 @@ def browser():
 
 @pytest.fixture
 def serve(tmp_path):
-    """Starts `dspark serve` processes against the stand-in vLLM (standin_lib.Serve); every one
+    """Starts `dspark serve` processes against the stand-in vLLM (tests.harness.standin.Serve); every one
     is killed and its notify socket closed after the test."""
     started: list[Serve] = []
 

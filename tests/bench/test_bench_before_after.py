@@ -6,7 +6,7 @@ first one left. Small lengths: the shared local pair is a CPU one."""
 
 from __future__ import annotations
 
-from pairlib import run_dspark
+from tests.harness.pair import run_dspark
 
 from dspark.bench.report import Report
 

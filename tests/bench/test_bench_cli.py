@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from dspark_cli import invoke_dspark
+from tests.harness.dspark_cli import invoke_dspark
 from dspark.bench import prefill
 from dspark.bench.client import BenchError, Target
 

@@ -5,7 +5,7 @@ out), and a run whose every measured trial came from the prefix cache exits 1 an
 import pytest
 
 from dspark.bench.report import Report
-from pairlib import run_dspark
+from tests.harness.pair import run_dspark
 
 pytestmark = pytest.mark.pair
 

@@ -12,7 +12,7 @@ import urllib.parse
 
 import pytest
 
-from pairlib import run_dspark
+from tests.harness.pair import run_dspark
 from dspark.net import http
 from dspark.engine import facts as F
 from dspark.bench import decode, prefill, prompts
@@ -253,7 +253,7 @@ def test_server_lost_mid_run_keeps_measured_trials(local_pair, tmp_path):
     and the report (JSON, Markdown, plot) holds what was measured."""
     import subprocess
 
-    from pairlib import dspark_cmd
+    from tests.harness.pair import dspark_cmd
 
     proxy = CuttableProxy(local_pair.api_url)
     proc = subprocess.Popen(dspark_cmd("bench", "prefill", "--url", proxy.url, "--lengths", "64,128,256,512",

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from dspark_cli import invoke_dspark
+from tests.harness.dspark_cli import invoke_dspark
 
 from dspark.bench import compare, decode, prefill, prompts
 from dspark.bench.report import DecodeRequest, PrefillTrial, Report

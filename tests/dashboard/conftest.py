@@ -5,7 +5,7 @@ import pytest
 from dspark.node.states import NodeState, SERVING
 from dspark.node import agent as A
 
-from .helpers import MetricsStandIn
+from tests.harness.dashboard import MetricsStandIn
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The page in Debian's headless Chromium against the real local pair (the shared one) under a bounded
-load. A worker killed shows failed within 5 s: tests/test_no_orphans.py, on the pair that kill breaks."""
+load. A worker killed shows failed within 5 s: tests/local/test_no_orphans.py, on the pair that kill breaks."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dspark.config.validate import load
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
-from .browser import wait_for
-from .helpers import DashboardProcess, Load
+from tests.harness.browser import wait_for
+from tests.harness.dashboard import DashboardProcess, Load
 
 pytestmark = [pytest.mark.pair, pytest.mark.browser]
 

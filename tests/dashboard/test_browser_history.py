@@ -17,7 +17,7 @@ from dspark.node import agent as A
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
-from .helpers import scrape_text
+from tests.harness.dashboard import scrape_text
 from .test_browser_states import bump
 from .test_memory_requests import bump_reason
 

@@ -21,7 +21,7 @@ from dspark.node import agent as A
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
-from .helpers import scrape_text
+from tests.harness.dashboard import scrape_text
 
 pytestmark = pytest.mark.browser
 

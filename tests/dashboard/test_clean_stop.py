@@ -11,7 +11,7 @@ import time
 
 from dspark.config import validate as C
 from dspark.dashboard import collector as D
-from standin_lib import write_cluster
+from tests.harness.standin import write_cluster
 
 
 def poll_until(col: D.Collector, pred, timeout: float) -> dict:

@@ -15,7 +15,7 @@ from dspark.node import hardware
 from dspark.dashboard import rates
 from dspark.engine.metrics import Histogram, MetricsError, parse
 
-from .helpers import MetricsStandIn, scrape_text, validate_snapshot
+from tests.harness.dashboard import MetricsStandIn, scrape_text, validate_snapshot
 
 DT = 2.997  # seconds between the two captured scrapes (fixtures/README.md)
 

@@ -7,7 +7,6 @@ the agent by the real collector."""
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -17,10 +16,9 @@ from dspark.config.validate import load
 from dspark.dashboard import collector as C
 from dspark.node.policy import EXIT_DIED, EXIT_OK
 
-from .helpers import MetricsStandIn, validate_snapshot
+from tests.harness.dashboard import MetricsStandIn, validate_snapshot
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from standin_lib import write_cluster  # noqa: E402
+from tests.harness.standin import write_cluster  # noqa: E402
 
 
 def kinds(events) -> list[str]:

@@ -26,8 +26,8 @@ from dspark.engine import facts as F
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
-from .browser import chromium
-from .helpers import MetricsStandIn, scrape_text
+from tests.harness.browser import chromium
+from tests.harness.dashboard import MetricsStandIn, scrape_text
 from .test_percentiles import IDLE_PROBES, metrics_text
 
 pytestmark = pytest.mark.browser

@@ -18,7 +18,7 @@ from dspark.engine import facts as F
 from dspark.dashboard import collector as C
 from dspark.dashboard import rates
 
-from .helpers import scrape_text, validate_snapshot
+from tests.harness.dashboard import scrape_text, validate_snapshot
 from .test_collector import targets
 
 
@@ -112,7 +112,7 @@ def test_finished_by_reason_in_a_real_scrape():
     assert rates.finished_by_reason(scrape_text("a")) == {"stop": 0, "length": 3, "abort": 0, "error": 0,
                                                            "repetition": 0}
     assert rates.finished_by_reason(scrape_text("b"))["length"] == 7
-    # the stand-in vLLM's shape (tests/standin_vllm.py): no finished_reason, so no errors or aborts known
+    # the stand-in vLLM's shape (tests/harness/standin_vllm.py): no finished_reason, so no errors or aborts known
     assert rates.finished_by_reason('vllm:request_success_total{engine="0",model_name="m"} 4\n') is None
     assert rates.finished_by_reason('vllm:request_success_total{finished_reason="error" 4\n') is None
 

@@ -14,7 +14,7 @@ import pytest
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
 
-from .helpers import scrape_text, snapshot_schema, validate_snapshot
+from tests.harness.dashboard import scrape_text, snapshot_schema, validate_snapshot
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -164,7 +164,7 @@ def test_cli_serves_and_stops_on_sigterm(cluster_file, tmp_path):
     import signal
     import time
 
-    from .helpers import free_port
+    from tests.harness.dashboard import free_port
 
     port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "dspark", "dashboard", "--config", str(cluster_file),

@@ -69,7 +69,7 @@ def pytest_report_header(config):
 @pytest.fixture
 def evaluate(nix_instantiate, nixpkgs_lib):
     """Evaluates the NixOS module for a host (Nix text) through tests/nix/eval.nix: its config as JSON."""
-    from nix_support import nix_eval
+    from tests.nix.nix_support import nix_eval
 
     def run(host_nix: str) -> dict:
         return nix_eval(nix_instantiate, f"import ./tests/nix/eval.nix {{ libPath = {nixpkgs_lib}; host = {host_nix}; }}")

@@ -1,7 +1,7 @@
 """The locked wheels the runtime replays of CI read, in one place, and their fetch.
 
-    .venv/bin/python tests/nix/replay_wheels.py          # fetch what is missing; safe to run again
-    .venv/bin/python tests/nix/replay_wheels.py --check  # exit 0 if all are cached (hash-checked), else 1
+    .venv/bin/python -m tests.nix.replay_wheels          # fetch what is missing; safe to run again
+    .venv/bin/python -m tests.nix.replay_wheels --check  # exit 0 if all are cached (hash-checked), else 1
 
 tests/nix/test_replay.py and test_runtime_loads.py replay nix/runtime.nix's build on small sets
 of the default line's locked aarch64 wheels: the ones whose installation or run-time loading
@@ -21,9 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nix_support import load_package  # noqa: E402
+from tests.nix.nix_support import load_package  # noqa: E402
 
 # The replay's package and its modules: rr.plan, rr.wheels, rr.elf, rr.checks.
 rr = load_package("replay_runtime", "nix/replay_runtime")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nix_support import REPO
+from tests.nix.nix_support import REPO
 
 pytestmark = pytest.mark.nix
 

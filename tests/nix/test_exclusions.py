@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from nix_support import REPO
+from tests.nix.nix_support import REPO
 
 LOCK = json.loads((REPO / "nix/runtime-lock.json").read_text())
 

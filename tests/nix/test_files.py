@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from nix_support import REPO, nix_eval, run_nix
+from tests.nix.nix_support import REPO, nix_eval, run_nix
 
 pytestmark = pytest.mark.nix
 

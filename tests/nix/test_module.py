@@ -18,7 +18,7 @@ from dspark.config.schema import NodeConfig, ServingConfig
 from dspark.config import validate as dspark_config
 from dspark.config import credentials
 from dspark.units.render import render_units
-from nix_support import NixError, to_nix
+from tests.nix.nix_support import NixError, to_nix
 
 pytestmark = pytest.mark.nix
 

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from dspark.units.render import render_units
-from test_module import _service_dropin, host
+from tests.nix.test_module import _service_dropin, host
 
 pytestmark = [pytest.mark.nix,
               pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")]

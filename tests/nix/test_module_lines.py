@@ -23,8 +23,8 @@ from dspark.config.template import dumps
 from dspark.config.schema import ServingConfig
 from dspark.config import validate as dspark_config
 from dspark.lines import runtime as runtime_lines
-from nix_support import REPO, nix_eval
-from test_module import host, settings
+from tests.nix.nix_support import REPO, nix_eval
+from tests.nix.test_module import host, settings
 
 pytestmark = pytest.mark.nix
 

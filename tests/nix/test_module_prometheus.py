@@ -12,7 +12,7 @@ import pytest
 
 from dspark.config import validate as dspark_config
 from dspark import monitoring
-from nix_support import NixError, nix_eval, to_nix
+from tests.nix.nix_support import NixError, nix_eval, to_nix
 
 pytestmark = pytest.mark.nix
 

@@ -29,7 +29,7 @@ import pytest
 
 from dspark.config.template import dumps
 from dspark.plan import published
-from nix_support import REPO, nix_eval
+from tests.nix.nix_support import REPO, nix_eval
 
 pytestmark = pytest.mark.nix
 

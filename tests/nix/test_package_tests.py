@@ -19,7 +19,7 @@ import tomllib
 import pytest
 from packaging.requirements import Requirement
 
-from nix_support import REPO
+from tests.nix.nix_support import REPO
 
 pytestmark = pytest.mark.nix  # a replay of the Nix build's check phase (no Nix needed)
 
@@ -98,7 +98,7 @@ def test_the_package_passes_the_replayed_flags_as_pytest_flags(nix_instantiate, 
     arguments): pytestFlags, not pytestFlagsArray (an error in nixpkgs 26.05), as structured
     attributes, so that each element (the marker expression with its spaces) is one argument,
     exactly the arguments the replay above runs."""
-    from nix_support import nix_eval
+    from tests.nix.nix_support import nix_eval
 
     stub = tmp_path / "stub-nixpkgs"
     stub.mkdir()

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from nix_support import REPO
-from replay_wheels import BUILD, BY_NAME, CACHE, SETS, TORCHCODEC, WHEELS, rr, wheels_of
+from tests.nix.nix_support import REPO
+from tests.nix.replay_wheels import BUILD, BY_NAME, CACHE, SETS, TORCHCODEC, WHEELS, rr, wheels_of
 
 pytestmark = pytest.mark.nix
 
@@ -33,7 +33,7 @@ def cached(*names: str) -> list:
     missing = [w.name for w in wheels if not (CACHE / w.filename).is_file()]
     if missing:
         pytest.skip(f"locked wheels not cached in {CACHE} ({', '.join(missing)}); fetch them with "
-                    f"`.venv/bin/python tests/nix/replay_wheels.py` (.ci/setup does) or set DSPARK_WHEEL_CACHE")
+                    f"`.venv/bin/python -m tests.nix.replay_wheels` (.ci/setup does) or set DSPARK_WHEEL_CACHE")
     return wheels
 
 
@@ -41,7 +41,7 @@ def installer() -> Path:
     path = CACHE / rr.plan.installer_wheel(BUILD).filename
     if not path.is_file():
         pytest.skip(f"installer {BUILD['installer']['version']} not cached in {CACHE}; fetch it with "
-                    f"`.venv/bin/python tests/nix/replay_wheels.py` (.ci/setup does)")
+                    f"`.venv/bin/python -m tests.nix.replay_wheels` (.ci/setup does)")
     return path
 
 
@@ -90,7 +90,7 @@ def test_torchcodec_needs_ffmpeg_and_is_left_out(tmp_path):
     assert "torchcodec" in lock["excluded"]
     if not (CACHE / TORCHCODEC.filename).is_file():
         pytest.skip(f"torchcodec {TORCHCODEC.version} not cached in {CACHE} to show why it is left out; fetch it "
-                    f"with `.venv/bin/python tests/nix/replay_wheels.py` (.ci/setup does)")
+                    f"with `.venv/bin/python -m tests.nix.replay_wheels` (.ci/setup does)")
     prefix = tmp_path / "tc"
     errors = rr.wheels.install(prefix, [TORCHCODEC], CACHE, BUILD, installer(), log=lambda _: None)
     assert errors == []

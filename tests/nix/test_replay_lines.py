@@ -19,9 +19,9 @@ import sys
 import pytest
 
 from dspark.lines import runtime as runtime_lines
-from nix_support import REPO
-from replay_wheels import CACHE, rr
-from test_runtime_lines_nix import stage_prefix, tree
+from tests.nix.nix_support import REPO
+from tests.nix.replay_wheels import CACHE, rr
+from tests.nix.test_runtime_lines_nix import stage_prefix, tree
 
 pytestmark = pytest.mark.nix
 

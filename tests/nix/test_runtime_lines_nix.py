@@ -25,8 +25,8 @@ import pytest
 
 from dspark.lines import runtime as runtime_lines
 from dspark.lines.overlay import read_series, touched_files
-from nix_support import REPO, NixError, flake_with_stub, nix_eval, run_nix
-from replay_wheels import rr
+from tests.nix.nix_support import REPO, NixError, flake_with_stub, nix_eval, run_nix
+from tests.nix.replay_wheels import rr
 
 pytestmark = pytest.mark.nix
 
@@ -207,7 +207,7 @@ def overlay_command(install: str) -> str:
 
 
 def site_of(version: str) -> Path | None:
-    """The vLLM tree of that release on this machine (tests/test_runtime_lines.py's lookup)."""
+    """The vLLM tree of that release on this machine (tests/lines/test_runtime_lines.py's lookup)."""
     if version == "0.28.0":
         spec = importlib.util.find_spec("vllm")
         return Path(spec.origin).parent.parent if spec and spec.origin else None

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from nix_support import REPO, nix_eval
-from test_replay import BUILD, CACHE, cached, installer, rr
+from tests.nix.nix_support import REPO, nix_eval
+from tests.nix.test_replay import BUILD, CACHE, cached, installer, rr
 
 pytestmark = pytest.mark.nix
 

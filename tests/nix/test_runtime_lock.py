@@ -11,7 +11,7 @@ from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-from nix_support import REPO, load_script, nix_eval
+from tests.nix.nix_support import REPO, load_script, nix_eval
 
 pytestmark = pytest.mark.nix
 

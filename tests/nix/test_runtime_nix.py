@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nix_support import REPO, NixError, flake_with_stub, nix_eval
+from tests.nix.nix_support import REPO, NixError, flake_with_stub, nix_eval
 
 pytestmark = pytest.mark.nix
 

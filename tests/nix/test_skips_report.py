@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from nix_support import REPO
+from tests.nix.nix_support import REPO
 
 SKIPS = REPO / ".ci" / "skips.py"
 

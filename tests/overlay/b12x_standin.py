@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-import b12x_contract as contract
+from tests.overlay import b12x_contract as contract
 
 CALLS: list[tuple[str, dict[str, Any]]] = []
 IMPORTED: list[str] = []
@@ -44,7 +44,7 @@ def write_package(dest: Path) -> Path:
         is_pkg = any(m.startswith(name + ".") for m in MODULES)
         path = dest.joinpath(*parts) / "__init__.py" if is_pkg else dest.joinpath(*parts).with_suffix(".py")
         path.parent.mkdir(parents=True, exist_ok=True)
-        body = "import b12x_standin as _s\n_s.IMPORTED.append(__name__)\n"
+        body = "from tests.overlay import b12x_standin as _s\n_s.IMPORTED.append(__name__)\n"
         if name == "b12x.moe.fused_moe.api":
             body += "_s.install_api(globals())\n"
         if name == contract.W4A16_KERNEL:

@@ -52,15 +52,16 @@ def stock_tree():
 def run_checks(site: Path, script: Path = CHECKS, *args: str, path: tuple[Path, ...] = (),
                env: dict[str, str] | None = None, timeout: float = 600,
                python: Path | str = sys.executable) -> dict[str, str]:
-    """Run a check script (default patched_checks.py) in a subprocess of ``python`` (default this
-    one) with ``site`` first on the path (then ``path``); parse the JSON it prints after
-    @@RESULTS@@."""
+    """Run a check script of this folder (default patched_checks.py) in a subprocess of ``python``
+    (default this one) as a module from the repository (``python -m tests.overlay.NAME``: its
+    siblings import as tests.overlay.*) with ``site`` first on PYTHONPATH (then ``path``); parse
+    the JSON it prints after @@RESULTS@@."""
     run_env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, (site, *path))),
                    PYTHONDONTWRITEBYTECODE="1", **(env or {}))
     run_env.pop("PYTHONWARNINGS", None)
     result = subprocess.run(
-        [str(python), str(script), str(site), *args],
-        capture_output=True, text=True, env=run_env, timeout=timeout, check=False,
+        [str(python), "-m", f"tests.overlay.{Path(script).stem}", str(site), *args],
+        capture_output=True, text=True, env=run_env, timeout=timeout, check=False, cwd=REPO,
     )
     for line in result.stdout.splitlines():
         if line.startswith("@@RESULTS@@"):

@@ -46,8 +46,20 @@ from pathlib import Path
 from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 HOST = Path("b12x", "moe", "_shared", "kernels", "w4a16", "host.py")
+
+
+def load_b12x(b12x_src: Path) -> None:
+    """The pinned b12x sources as the package ``b12x``, found in ``b12x_src`` only (sys.path
+    unchanged): its submodules resolve through the package's __path__."""
+    import importlib.machinery
+    import importlib.util
+
+    spec = importlib.machinery.PathFinder.find_spec("b12x", [str(b12x_src)])
+    assert spec is not None and spec.loader is not None, f"no b12x package under {b12x_src}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["b12x"] = module
+    spec.loader.exec_module(module)
 
 
 def host_policy(b12x_src: Path):
@@ -125,9 +137,9 @@ def report(b12x_src: Path, sizes: list[int], max_batched: int, k: int, max_seqs:
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.warmup import b12x_warmup as module
 
-    import draft_warmup_032_checks as dw
+    from tests.overlay import draft_warmup_032_checks as dw
 
-    sys.path.append(str(b12x_src))  # after vLLM's import: has_b12x() is unchanged
+    load_b12x(b12x_src)  # after vLLM's import: has_b12x() is unchanged
     select, routed_sizes, fill = host_policy(b12x_src)
     fused = B12xFusedMoe(select)
     owners: dict[int, str] = {}

@@ -46,7 +46,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 FIXTURE = HERE.parents[0] / "fixtures" / "deepseek-v4-flash-config.json"
 TARGET_MOE_LAYERS = 2  # layers of one shape: plans are per layer object in the overlay
 DRAFT_MOE_LAYERS = 1
@@ -135,7 +134,7 @@ def attention_cg_support(vc):
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.worker.gpu import attn_utils
 
-    import kv_layout_checks as kl
+    from tests.overlay import kv_layout_checks as kl
 
     kl.Layers(vc)  # registers every layer's KV-cache layers in the forward context
     hf = vc.model_config.hf_config
@@ -252,8 +251,8 @@ def warmup_report(vc, target, draft, spec, reach_t, reach_d) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.warmup.b12x_warmup import b12x_warmup
 
-    import b12x_standin as s
-    import moe_checks as mc
+    from tests.overlay import b12x_standin as s
+    from tests.overlay import moe_checks as mc
 
     sizes = list(vc.compilation_config.cudagraph_capture_sizes or [])
 
@@ -345,7 +344,7 @@ def main() -> None:
 
     if not torch.accelerator.is_available():
         torch.accelerator.empty_cache = lambda: None
-    import kv_layout_checks as kl
+    from tests.overlay import kv_layout_checks as kl
 
     kl._simulate_sm12x()
     cluster = sys.argv[2]

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-# sys.path[0] is this folder (tests/overlay).
-from patched_checks import imported_from  # noqa: E402
+# Run as a module from the repository (tests.overlay.fp8_ds_mla_checks): its siblings import.
+from tests.overlay.patched_checks import imported_from  # noqa: E402
 
 BLOCK_SIZE = 256
 TOKEN, DATA, FOOTER = 584, 576, 8  # bytes a token, its data row, its footer row
@@ -290,7 +290,7 @@ CHECKS = {
 
 
 def main() -> None:
-    from tensor_checks import run_all
+    from tests.overlay.tensor_checks import run_all
 
     print("@@RESULTS@@" + json.dumps(run_all(Path(sys.argv[1]), None, CHECKS)))
 

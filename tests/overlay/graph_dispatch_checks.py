@@ -23,8 +23,6 @@ Capturing needs a GPU, so the managers are marked captured after
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 NUM_SPEC = 5
@@ -32,7 +30,7 @@ MAX_NUM_SEQS = 12
 
 
 def _simulate_sm12x() -> None:
-    from kv_layout_checks import _simulate_sm12x as simulate_family
+    from tests.overlay.kv_layout_checks import _simulate_sm12x as simulate_family
 
     from vllm.platforms import current_platform
 
@@ -153,5 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -37,7 +37,7 @@ def _setup():
     import vllm.distributed.parallel_state as ps
     import vllm.v1.worker.gpu.cudagraph_utils as cu
 
-    from graph_dispatch_checks import _simulate_sm12x
+    from tests.overlay.graph_dispatch_checks import _simulate_sm12x
 
     _simulate_sm12x()
     # One rank, no process group: the managers only ask whether this is the first/last rank.
@@ -94,7 +94,7 @@ def _managers(vc, k):
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
-    from graph_dispatch_checks import _draft_manager
+    from tests.overlay.graph_dispatch_checks import _draft_manager
 
     target = CudaGraphManager(vc, torch.device("cpu"), CUDAGraphMode.FULL_AND_PIECEWISE,
                               decode_query_len=k + 1)
@@ -135,5 +135,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

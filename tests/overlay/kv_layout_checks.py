@@ -38,9 +38,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-import flashinfer_facts  # noqa: E402
+from tests.overlay import flashinfer_facts  # noqa: E402
 
 FIXTURE = HERE.parents[0] / "fixtures" / "deepseek-v4-flash-config.json"
 MAX_MODEL_LENS = (4096, 131072, 350000, 1048576)

@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-# The 0.28.0 checks whose code holds unchanged on 0.32.0 (sys.path[0] is this folder).
-from patched_checks import (  # noqa: E402
+# The 0.28.0 checks whose code holds unchanged on 0.32.0 (tests.overlay, run as a module from the repository).
+from tests.overlay.patched_checks import (  # noqa: E402
     _with_family,
     check_tensor_logic,
     check_warmup_prompt_len,
@@ -110,7 +110,7 @@ CHECKS = {
 
 
 def main() -> None:
-    from tensor_checks import run_all
+    from tests.overlay.tensor_checks import run_all
 
     print("@@RESULTS@@" + json.dumps(run_all(Path(sys.argv[1]), None, CHECKS)))
 

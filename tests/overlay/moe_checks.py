@@ -151,7 +151,7 @@ def run_apply(method, layer, tokens=TOKENS, ids_dtype=None):
 
 
 def standin():
-    import b12x_standin
+    from tests.overlay import b12x_standin
 
     return b12x_standin
 
@@ -543,7 +543,7 @@ def main() -> None:
     # a CPU-only torch has no accelerator to empty (a GPU run does this for real).
     if not torch.accelerator.is_available():
         torch.accelerator.empty_cache = lambda: None
-    from tensor_checks import run_all
+    from tests.overlay.tensor_checks import run_all
 
     print("@@RESULTS@@" + json.dumps(run_all(Path(sys.argv[1]), None, CHECKS)))
 

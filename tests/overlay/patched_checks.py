@@ -72,9 +72,7 @@ def check_imports(site: Path) -> None:
 
 def check_tensor_logic(site: Path) -> None:
     import vllm.utils.spark_sm12x as m
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tensor_checks import run_all
+    from tests.overlay.tensor_checks import run_all
 
     failed = {k: v for k, v in run_all(m, "cpu").items() if v != "ok"}
     assert not failed, "\n".join(failed.values())
@@ -300,7 +298,7 @@ CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
 
 
 def main() -> None:
-    from tensor_checks import run_all
+    from tests.overlay.tensor_checks import run_all
 
     print("@@RESULTS@@" + json.dumps(run_all(Path(sys.argv[1]), None, CHECKS)))
 

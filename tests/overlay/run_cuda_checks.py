@@ -6,7 +6,7 @@ only torch): ``vllm/utils/spark_sm12x.py`` (overlay/0001, tensor_checks) and
 ``cuda`` and prints a JSON report (device, torch, per-check result, host-side cost of the
 two per-call attention helpers).
 
-    python3 tests/overlay/run_cuda_checks.py [OUT_DIR]
+    python3 -m tests.overlay.run_cuda_checks [OUT_DIR]
 """
 
 from __future__ import annotations
@@ -66,9 +66,8 @@ def _time_us(fn, repeats: int = 200) -> float:
 
 def main() -> int:
     assert torch.cuda.is_available(), "no CUDA device"
-    sys.path.insert(0, str(HERE))
-    import attn_tensor_checks
-    import tensor_checks
+    from tests.overlay import attn_tensor_checks
+    from tests.overlay import tensor_checks
 
     with tempfile.TemporaryDirectory() as tmp:
         helpers, attn = load_module(Path(tmp)), load_module(Path(tmp), "spark_sm12x_attn")

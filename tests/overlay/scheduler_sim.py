@@ -52,7 +52,6 @@ from collections import deque
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 FIXTURE = HERE.parents[0] / "fixtures" / "deepseek-v4-flash-config.json"
 BLOCK_SIZE = 256
@@ -103,7 +102,7 @@ def _model_dir(tmp: Path) -> Path:
 
 
 def _kv_cache_config(vc, kv_bytes: int):
-    from kv_layout_checks import Layers  # the DeepSeek V4 cache layers, built by their classes
+    from tests.overlay.kv_layout_checks import Layers  # the DeepSeek V4 cache layers, built by their classes
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
         get_kv_cache_config_from_groups,
@@ -320,7 +319,7 @@ def edge_case(case: dict, model_dir: Path) -> dict:
 def main() -> None:
     import tempfile
 
-    from kv_layout_checks import _simulate_sm12x
+    from tests.overlay.kv_layout_checks import _simulate_sm12x
 
     cases = json.loads(sys.argv[2])
     _simulate_sm12x()

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .conftest import OVERLAY_DIR, run_checks
+from .conftest import OVERLAY_DIR, REPO, run_checks
 
 CHECKS = Path(__file__).with_name("workspace_checks.py")
 PATCH = "0012-flashinfer-dsv4-eager-workspace.patch"
@@ -19,7 +19,7 @@ APART = ("prefill apart from the captured decodes' workspace",
 
 
 def run_workspace_checks(site: Path, dtype: str = "nvfp4_ds_mla", **kwargs) -> dict[str, str]:
-    return run_checks(site, CHECKS, dtype, timeout=900, **kwargs)
+    return run_checks(site, CHECKS, dtype, timeout=900, path=(REPO / "src",), **kwargs)  # dspark.lines.runtime
 
 
 def series_without(tmp: Path, series: Path, name: str) -> Path:

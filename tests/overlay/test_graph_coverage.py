@@ -10,7 +10,6 @@ The settings are those of tests/fixtures/cluster-two-node.toml (the template's d
 from __future__ import annotations
 
 import ast
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,6 @@ import pytest
 from . import b12x_contract as contract
 
 REPO = Path(__file__).resolve().parents[2]
-TOOL = REPO / "benchmarks" / "graph_coverage.py"
 CLUSTER = REPO / "tests" / "fixtures" / "cluster-two-node.toml"
 
 pytestmark = pytest.mark.skipif(
@@ -30,10 +28,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("graph_coverage", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import graph_coverage
+
+    return graph_coverage
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +98,11 @@ def test_the_overlays_bucket_is_b12xs(patched_site):
 
 
 def test_tool_help():
-    r = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.graph_coverage", "--help"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
     assert r.returncode == 0 and "cluster file" in r.stdout and "--grid" in r.stdout, r.stderr
     # Neither a cluster file nor --grid, or both: a usage error (exit 2), nothing run.
     for args in ([], ["--grid", str(CLUSTER)]):
-        r = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-m", "benchmarks.graph_coverage", *args], capture_output=True,
+                           text=True, timeout=60, cwd=REPO)
         assert r.returncode == 2 and "--grid" in r.stderr, (args, r.returncode, r.stderr)

@@ -12,7 +12,6 @@ under a user's max_cudagraph_capture_size of half the verify rows.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from dspark.engine import graph_dispatch as G
 from .conftest import LINE_032, run_checks
 
 CHECKS = Path(__file__).with_name("graph_grid_checks.py")
-TOOL = Path(__file__).resolve().parents[2] / "benchmarks" / "graph_coverage.py"
 GRID = [(s, k) for s in range(1, 65) for k in range(1, 8)]
 # The model's proof on other lists takes every k and a third of the S (every remainder of S - 1
 # by k + 1 still appears), to keep the run short.
@@ -33,10 +31,9 @@ MNBT = 8192
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("graph_coverage", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import graph_coverage
+
+    return graph_coverage
 LINES = {"v0.28.0": "0.28.0", LINE_032: "0.32.0"}
 
 

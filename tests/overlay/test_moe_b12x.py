@@ -9,7 +9,6 @@ Contract: the overlay's calls and strings against the pinned b12x sources (b12x_
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,13 +39,10 @@ pytestmark = pytest.mark.skipif(
 
 
 def run_moe_checks(site: Path, tmp: Path) -> dict[str, str]:
-    sys.path.insert(0, str(HERE))
-    try:
-        import b12x_standin
-    finally:
-        sys.path.remove(str(HERE))
+    from . import b12x_standin
+
     standin = b12x_standin.write_package(tmp / "standin")
-    return run_checks(site, HERE / "moe_checks.py", path=(standin, HERE))
+    return run_checks(site, HERE / "moe_checks.py", path=(standin,))
 
 
 @pytest.fixture(scope="module")

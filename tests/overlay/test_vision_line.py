@@ -4,7 +4,7 @@ model's fields plus the vision_* ones, architecture still DeepseekV4ForCausalLM)
 vLLM's own config class and architecture convertor, and the model registry is asked for the class
 that comes out. vLLM 0.32.0 routes it to DeepseekV4ForConditionalGeneration, which its registry
 holds; vLLM 0.28.0 has no such class (so the checkpoint would load as the text model), which is
-why dspark's checks refuse it there (tests/test_vision_serving.py)."""
+why dspark's checks refuse it there (tests/node/test_vision_serving.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from dspark.lines import runtime as R
-from test_vision_serving import vision_exp_config
+from tests.node.test_vision_serving import vision_exp_config
 
 pytestmark = pytest.mark.vllm
 

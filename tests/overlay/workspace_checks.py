@@ -30,10 +30,9 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-import flashinfer_facts  # noqa: E402
-import kv_layout_checks as K  # noqa: E402
+from tests.overlay import flashinfer_facts  # noqa: E402
+from tests.overlay import kv_layout_checks as K  # noqa: E402
 
 MAX_MODEL_LEN = 4096
 
@@ -76,7 +75,6 @@ def line_cache_dtype(seed_name: str) -> str:
     a release no line names keeps it too."""
     import vllm
 
-    sys.path.insert(0, str(HERE.parents[1] / "src"))
     from dspark.lines import runtime as runtime_lines
 
     release = vllm.__version__.split("+")[0]
@@ -90,7 +88,7 @@ def run(cache_dtype: str) -> dict[str, str]:
     import torch
     from vllm.models.deepseek_v4.nvidia import flashinfer_sparse
 
-    from graph_dispatch_checks import _model_runner_v2
+    from tests.overlay.graph_dispatch_checks import _model_runner_v2
 
     # The FlashInfer the tree's runtime line pins, as kv_layout_checks holds the tree to it
     # (0.32.0: flashinfer-python 0.7.0.post1, whose SM120 dispatch flashinfer_facts alone cannot

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from appliance import bind_checkout, runtime
-from nspawn_container import Container, missing_requirements
+from tests.harness.appliance import bind_checkout, runtime
+from tests.harness.nspawn_container import Container, missing_requirements
 
 from dspark.config import credentials
 from dspark.local.appliance import HEAD_NAME

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from appliance import DSPARK, PYTHON, _dspark_can_execute, bind_checkout, runtime
-from nspawn_container import Container, missing_requirements
+from tests.harness.appliance import DSPARK, PYTHON, _dspark_can_execute, bind_checkout, runtime
+from tests.harness.nspawn_container import Container, missing_requirements
 
 from dspark.local.appliance import WORKER_NAME
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from appliance import install, use_standin
-from nspawn_container import Container, missing_requirements
+from tests.harness.appliance import install, use_standin
+from tests.harness.nspawn_container import Container, missing_requirements
 
 from dspark.local.appliance import WORKER_NAME
 

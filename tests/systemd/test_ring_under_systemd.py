@@ -1,10 +1,10 @@
 """A ring of four nodes under a real systemd: the local 4-node appliance (head on 127.0.0.1,
 workers on 127.0.0.2-4, TP=4) installed with the project's own units in one systemd-nspawn
 container (made for this module and always removed), the three workers as instances of
-dspark-worker@.service, with the stand-in vLLM (tests/standin_vllm.py, appliance.use_standin) in
+dspark-worker@.service, with the stand-in vLLM (tests/harness/standin_vllm.py, appliance.use_standin) in
 place of vLLM: the units' and the supervisors' ordering of a ring does not depend on what the
 engine computes, so the ring starts in seconds. The real four-node ring (TP=4) is
-tests/test_local_ring.py's; real vLLM under these units, test_switch_under_systemd.py's.
+tests/local/test_local_ring.py's; real vLLM under these units, test_switch_under_systemd.py's.
 
 The tests run in file order against one container: the units as installed, the start (every
 worker in the rendezvous before the head's vLLM starts), one worker's vLLM killed (the head
@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from appliance import CLUSTER_DIR, STANDIN, Appliance, install, use_standin
-from nspawn_container import Container, missing_requirements
+from tests.harness.appliance import CLUSTER_DIR, STANDIN, Appliance, install, use_standin
+from tests.harness.nspawn_container import Container, missing_requirements
 
 from dspark.local.appliance import HEAD_NAME, node_name
 

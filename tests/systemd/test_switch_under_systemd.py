@@ -17,7 +17,7 @@ nothing behind. The switch's output is appended to test-artifacts/switch-systemd
 Proven elsewhere, cheaper: the order of the units, the watchdog, the recoveries, a rollback
 inside the units and the head started alone (test_under_systemd.py, the same units with the
 stand-in vLLM); the regression gate, the switch back and a broken line's rollback on real lines
-(tests/test_switch_local.py).
+(tests/switch/test_switch_local.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import time
 
 import pytest
 
-from appliance import CHECKOUT_LINES, CLUSTER_DIR, Appliance, install, record_real_start_ups
-from nspawn_container import Container, missing_requirements
-from pairlib import ARTIFACTS
-from switch_lib import A, B
+from tests.harness.appliance import CHECKOUT_LINES, CLUSTER_DIR, Appliance, install, record_real_start_ups
+from tests.harness.nspawn_container import Container, missing_requirements
+from tests.harness.pair import ARTIFACTS
+from tests.harness.switch import A, B
 
 from dspark.local.appliance import HEAD_NAME, WORKER_NAME
 

@@ -1,5 +1,5 @@
 """The project's own units under a real systemd (in a systemd-nspawn container made for this
-module and always removed), running the local pair with the stand-in vLLM (tests/standin_vllm.py,
+module and always removed), running the local pair with the stand-in vLLM (tests/harness/standin_vllm.py,
 appliance.use_standin) in place of vLLM: what is proven here is systemd's and the supervisors'
 part (ordering, readiness, the watchdog, restarts, the journal), which does not depend on what
 the engine computes, so the pair starts in seconds instead of minutes. The units are installed
@@ -23,8 +23,8 @@ import urllib.request
 
 import pytest
 
-from appliance import CLUSTER_DIR, STANDIN, UNITS, Appliance, install, use_standin
-from nspawn_container import Container, missing_requirements
+from tests.harness.appliance import CLUSTER_DIR, STANDIN, UNITS, Appliance, install, use_standin
+from tests.harness.nspawn_container import Container, missing_requirements
 
 from dspark.local.appliance import HEAD_NAME, SERVED_NAME, WORKER_NAME
 
