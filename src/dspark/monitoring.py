@@ -5,8 +5,8 @@ The NixOS module builds the same scrape configuration from the same cluster file
 (nix/monitoring.nix, `services.dspark.prometheus.scrapeConfigs`); tests/nix/test_module_prometheus.py
 keeps the two equal. The dashboard's JSON (src/dspark/data/grafana/dspark.json, which the module
 provisions) is written by `grafana_dashboard()` here, from the metric names vLLM and the agent
-serve (dspark.engine.facts, dspark.node.agent); tests/test_prometheus_dashboard.py keeps the file equal
-to it, and tests/test_prometheus_pair.py runs every one of its queries in a real Prometheus
+serve (dspark.engine.facts, dspark.node.agent); tests/monitoring/test_prometheus_dashboard.py keeps the file equal
+to it, and tests/monitoring/test_prometheus_pair.py runs every one of its queries in a real Prometheus
 scraping the local pair.
 
     python -m dspark.monitoring scrape-configs --config CLUSTER.toml [--api-key-file F] [--scrape-interval 15s]
