@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dspark-line-overlay-") as tmp:
         d = Path(tmp)
         names = [patch_name(p) for p in args.patches]
-        for name, patch in zip(names, args.patches):
+        for name, patch in zip(names, args.patches, strict=True):
             (d / name).symlink_to(patch.absolute())
         (d / "series").write_text(f"# vllm-version: {args.vllm_version}\n" + "".join(f"{name}\n" for name in names))
         return overlay.main(["apply", str(args.site_packages), "--overlay-dir", str(d)])

@@ -211,7 +211,7 @@ def render_table(snap: dict) -> str:
                      _cell(n, "restarts"), _cell(n, "uptime_s", lambda up: f"{up:.0f}s"),
                      _cell(n, "detail", absent="")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
     api = snap["api"]
     health = api["health"] if api["health"] is not None else "unreachable"
     lines.append("")

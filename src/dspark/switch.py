@@ -31,7 +31,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, cast
+from typing import TYPE_CHECKING, BinaryIO, Callable, cast
 
 from dspark.lines import state as line_state
 from dspark.files import state_io
@@ -42,6 +42,9 @@ from dspark.bench.client import REQUEST_TIMEOUT_S
 from dspark.config.schema import Cluster, ConfigError
 from dspark.files.safe_read import NotRegularFile, describe
 from dspark.lines.history import Record
+
+if TYPE_CHECKING:
+    from dspark.bench.report import Report
 
 REPORTS = "switches"
 POLL_S = 0.5
@@ -69,7 +72,7 @@ def _gmean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
-def score(report) -> float | None:
+def score(report: Report) -> float | None:
     """One figure for a decode report: the geometric mean of its levels' aggregate tok/s."""
     vals = [s.aggregate_tok_s for s in report.summary]
     if not vals or any(v is None or not math.isfinite(v) or v <= 0 for v in vals):
@@ -228,7 +231,7 @@ class Switcher:
                 return False, f"not serving on {line} within {timeout_s:g} s ({late})", None
             time.sleep(POLL_S)
 
-    def _bench(self, label: str, rec: Record):
+    def _bench(self, label: str, rec: Record) -> Report | None:
         from dspark.bench import decode
         from dspark.bench.client import BenchError, Target
         from dspark.bench.report import paths, to_markdown
@@ -338,7 +341,8 @@ class Switcher:
             if rec.verdict != H.RUNNING:
                 raise  # the verdict is in (its rollback was interrupted: recorded there)
             if line_state.current(self.state_dir, self.file_line).line == current:
-                rec.verdict, rec.reason, rec.serving_on = H.NOT_STARTED, "interrupted (Ctrl-C) before the switch", current
+                rec.verdict, rec.reason = H.NOT_STARTED, "interrupted (Ctrl-C) before the switch"
+                rec.serving_on = current
                 return self._finish(rec)
             self.say(f"interrupted: rolling back to {current} (Ctrl-C again: leave the rollback to the nodes)")
             return self._rollback(rec, "interrupted (Ctrl-C)")
@@ -368,7 +372,7 @@ class Switcher:
             self.say(f"the rollback to {back} did not serve: {why}")
         return self._finish(rec)
 
-    def _compare(self, before, after, rec: Record) -> None:
+    def _compare(self, before: Report, after: Report, rec: Record) -> None:
         from dspark.bench.compare import CompareRefused, table
 
         try:
@@ -406,7 +410,7 @@ class Switcher:
         return rec
 
 
-def _flock_within(lock, wait_s: float) -> bool:
+def _flock_within(lock: BinaryIO, wait_s: float) -> bool:
     """The exclusive lock, waiting out a holder that lets go within `wait_s` (a head's check of
     an abandoned switch holds it for an instant); False when it is still held."""
     deadline = time.monotonic() + wait_s

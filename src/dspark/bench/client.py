@@ -141,7 +141,7 @@ class StreamResult:
     def itl_s(self) -> list[float]:
         """Gaps between consecutive chunks after the first (vllm bench serve's ITL)."""
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
 
 
 def _error_message(body: bytes) -> str:

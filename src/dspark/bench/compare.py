@@ -72,7 +72,8 @@ def _itl_se(reqs: list[DecodeRequest], q: float) -> float | None:
 def _aggregate_se(s: DecodeLevel, reqs: list[DecodeRequest]) -> float | None:
     if s.aggregate_tok_s_se is not None:
         return s.aggregate_tok_s_se
-    from dspark.bench.decode import aggregate_se  # a report written before the field: the same formula, from its requests
+    # a report written before the field: the same formula, from its requests
+    from dspark.bench.decode import aggregate_se
 
     return aggregate_se(s.aggregate_tok_s, [r.e2e_s for r in reqs])
 
@@ -122,7 +123,7 @@ def check_comparable(a: Report, b: Report) -> None:
     named = ", ".join(f"{k} {a.params.get(k)!r} vs {b.params.get(k)!r}" for k in diff)
     if a.prompt_set_sha256 != b.prompt_set_sha256:
         detail = ""
-        for i, (x, y) in enumerate(zip(a.planned_prompts, b.planned_prompts)):
+        for i, (x, y) in enumerate(zip(a.planned_prompts, b.planned_prompts, strict=False)):
             if x != y:
                 detail = f"; first difference at planned prompt {i}: {x[:12]}... vs {y[:12]}..."
                 break

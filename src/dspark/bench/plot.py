@@ -36,7 +36,7 @@ def _samples(report: Report) -> dict[int, tuple[int, int]]:
 
 
 def _label_points(ax: Axes, xs: Sequence[int], ys: Sequence[float | None], labels: Sequence[str]) -> None:
-    for x, y, text in zip(xs, ys, labels):
+    for x, y, text in zip(xs, ys, labels, strict=True):
         if y is not None:
             ax.annotate(text, (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
 
@@ -92,7 +92,8 @@ def figure(report: Report) -> Figure | None:
         agg = [s.aggregate_tok_s for s in report.summary]
         left.plot(xs, agg, "o-", label="aggregate tok/s")
         left.plot(xs, [s.decode_tok_s_median for s in report.summary], "s--", label="per-stream tok/s (median)")
-        _label_points(left, xs, agg, [f"n={samples.get(x, (s.requests, 0))[0]} req" for x, s in zip(xs, report.summary)])
+        _label_points(left, xs, agg, [f"n={samples.get(x, (s.requests, 0))[0]} req"
+                                      for x, s in zip(xs, report.summary, strict=True)])
         left.set_ylabel("output tokens / s")
         for q in ("p50", "p90", "p99"):
             vals = [getattr(s, f"itl_s_{q}") for s in report.summary]

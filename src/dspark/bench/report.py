@@ -34,7 +34,7 @@ class ReportError(Exception):
     """A file that is not a report this dspark can read."""
 
 
-def _f(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None):
+def _f(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None) -> Any:  # a field, as its default
     if factory is not None:
         return field(default_factory=factory, metadata={"help": help})
     return field(default=default, metadata={"help": help})
@@ -200,7 +200,7 @@ class Report:
         return cls.from_dict(data, source=str(path))
 
 
-def _typed(cls: type, data: Any, where: str, skip: tuple[str, ...] = ()):
+def _typed(cls: type, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:  # a `cls`; its kwargs with `skip`
     if not isinstance(data, dict):
         raise ReportError(f"{where}: expected a JSON object, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -299,14 +299,16 @@ def to_markdown(r: Report) -> str:
         hits = sum(s.prefix_cache_hit_trials for s in r.summary)
         if hits:
             lines += ["", f"**{hits} trial(s) hit the prefix cache**: the server had seen these prompts "
-                      "(same seed with --shared-prefix-cache, or a server that ignores cache_salt); they are left out of every "
+                      "(same seed with --shared-prefix-cache, or a server that ignores cache_salt); "
+                      "they are left out of every "
                       "median."]
         over = sum(s.overlapped_trials for s in r.summary)
         if over:
             lines += ["", f"{over} trial(s) overlapped other requests (another client, or the "
                       "supervisor's liveness probe); their server-side figures are left out."]
     else:
-        lines += ["| concurrency | requests | aggregate tok/s (± standard error) | per-stream decode tok/s (median / min) "
+        lines += ["| concurrency | requests | aggregate tok/s (± standard error) "
+                  "| per-stream decode tok/s (median / min) "
                   "| TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | spec acceptance |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         for s in r.summary:

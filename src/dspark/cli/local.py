@@ -120,7 +120,8 @@ def local_status_cmd(workdir: Path, as_json: bool) -> None:
                        f"{cli_command()} local down{_dir_arg(workdir)}")
         elif behind:
             click.echo(f"local appliance in {workdir}: its `local up` is gone, but its supervisors "
-                       f"{', '.join(map(str, behind))} still run; stop them: {cli_command()} local down{_dir_arg(workdir)}")
+                       f"{', '.join(map(str, behind))} still run; "
+                       f"stop them: {cli_command()} local down{_dir_arg(workdir)}")
         else:
             click.echo(f"local appliance in {workdir}: not running (nothing holds {lock_path(workdir)})")
         click.echo(render_table(snap))

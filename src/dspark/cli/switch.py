@@ -25,7 +25,8 @@ def bench_options(f: F) -> F:
 
     d = Bench()
     for opt in reversed([
-        click.option("--no-bench", is_flag=True, help="Switch without the before/after benchmark (no regression gate)."),
+        click.option("--no-bench", is_flag=True,
+                     help="Switch without the before/after benchmark (no regression gate)."),
         click.option("--concurrency", default=",".join(map(str, d.concurrency)), show_default=True,
                      help="Benchmark: concurrent streams per level."),
         click.option("--input-len", type=int, default=d.input_len, show_default=True, help="Benchmark: prompt tokens."),

@@ -46,7 +46,8 @@ BIN_OPT = click.option("--dspark-bin", help="Path of the dspark executable in Ex
 
 @cli.command("render")
 @click.option("--node", "-n", "nodes", multiple=True,
-              help="Also render this node's drop-ins (reads the cluster file; repeat for a host running several nodes).")
+              help="Also render this node's drop-ins (reads the cluster file; "
+                   "repeat for a host running several nodes).")
 @CONFIG_OPT
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Write the files into this directory instead of printing them.")

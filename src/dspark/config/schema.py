@@ -40,7 +40,8 @@ class ConfigError(Exception):
 
 
 def _f(default: Any = dataclasses.MISSING, *, help: str, example: Any = None, factory: Any = None,
-       bounds: tuple[float, float] | None = None, positive: bool = False, source: str | None = None) -> Any:  # a field, as its default
+       bounds: tuple[float, float] | None = None, positive: bool = False,
+       source: str | None = None) -> Any:  # a field, as its default
     """Declare a config field: its default, help text, an example for error messages and, for a
     number, its range: `bounds` (lo, hi), both included, or `positive` for (0, hi]. Every number
     must also be finite: the ranges are the one policy, checked in `check_ranges`. `source` says
@@ -176,7 +177,8 @@ class ServingConfig:
     async_scheduling: bool = _f(True, help="Overlap scheduling with execution.", example=True, source=_SEED)
     moe_backend: str | None = _f("flashinfer_b12x", help="MoE experts backend: flashinfer_b12x is b12x at W4A16 "
                                                          "(the overlay's on v0.28.0, upstream's b12x on v0.32.0); on "
-                                                         "v0.32.0 \"b12x\" asks for upstream's W4A8, unmeasured on GB10.",
+                                                         "v0.32.0 \"b12x\" asks for upstream's W4A8, unmeasured "
+                                                         "on GB10.",
                                  example="flashinfer_b12x", source=_BOTH)
     long_prefill_token_threshold: int | None = _f(
         1024, help="Longest prefill chunk one request gets per scheduler step (vLLM "
@@ -250,7 +252,9 @@ class ServingConfig:
 class SupervisorConfig:
     ready_timeout_s: float = _f(1800.0, help="Give up (exit 'never ready') if vLLM is not serving by then.",
                                 example=1800.0, bounds=(MIN_SECONDS, DAY_S))
-    liveness_interval_s: float = _f(5.0, help="Seconds between the head's liveness rounds: a /metrics reading (progress while requests run or wait), and a real 1-token completion only while the engine is idle.",
+    liveness_interval_s: float = _f(5.0, help="Seconds between the head's liveness rounds: a /metrics reading "
+                                              "(progress while requests run or wait), and a real 1-token completion "
+                                              "only while the engine is idle.",
                                     example=5.0, bounds=(MIN_SECONDS, 3600.0))
     liveness_timeout_s: float = _f(10.0, help="A liveness completion slower than this counts as failed.",
                                    example=10.0, bounds=(MIN_SECONDS, 3600.0))

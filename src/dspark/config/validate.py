@@ -96,7 +96,8 @@ def _build(cls: type, table: Any, where: str, problems: list[str], examples: dic
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             if name not in table:
                 problems.append(f"{where}.{name}: missing; {f.metadata['help']} "
-                                f"Write e.g. {name} = {toml_value((examples or {}).get(name, f.metadata.get('example')))}")
+                                f"Write e.g. {name} = "
+                                f"{toml_value((examples or {}).get(name, f.metadata.get('example')))}")
     try:
         return cls(**kwargs)
     except TypeError:
@@ -217,7 +218,8 @@ def check(c: Cluster) -> list[str]:
     for dup in sorted(k for k, v in names.items() if v > 1):
         p.append(f"nodes: the name {dup!r} is used by more than one node; give each node its own name")
     for rank in sorted(r for r, who in by_rank.items() if len(who) > 1):
-        p.append(f"nodes: rank {rank} is given to more than one node ({', '.join(by_rank[rank])}); ranks must be unique")
+        p.append(f"nodes: rank {rank} is given to more than one node ({', '.join(by_rank[rank])}); "
+                 "ranks must be unique")
     if sorted(by_rank) != list(range(len(c.nodes))):
         ranks = sorted(n.rank for n in c.nodes)
         shown = ", ".join(map(str, ranks[:20])) + (", ..." if len(ranks) > 20 else "")
@@ -242,7 +244,8 @@ def check(c: Cluster) -> list[str]:
             value = getattr(n, key)
             if value is not None and not _is_host(value):
                 p.append(f"{where}.{key}: {ascii(value)} is neither an IP address nor a host name (letters, "
-                         f"digits, '-' and '.'); write e.g. {key} = \"{n.address if key == 'agent_host' else '127.0.0.1'}\" "
+                         f"digits, '-' and '.'); "
+                         f"write e.g. {key} = \"{n.address if key == 'agent_host' else '127.0.0.1'}\" "
                          "or leave it out (the fabric address)")
         if n.role is not None and n.role not in ("head", "worker"):
             p.append(f"{where}.role: must be 'head' or 'worker', got {n.role!r}")
@@ -414,8 +417,10 @@ def _name_fault(name: str) -> str | None:
     if len(name) > 253:
         return f"{len(name)} characters (at most 253: a host name's length)"
     for ch in name:
-        if not ch.isprintable() or ch.isspace() or unicodedata.category(ch) in ("Cf", "Cc", "Co", "Cn", "Zs", "Zl", "Zp"):
-            return f"holds {unicodedata.name(ch, 'U+%04X' % ord(ch))} (U+{ord(ch):04X}), an invisible, space or control character"
+        if (not ch.isprintable() or ch.isspace()
+                or unicodedata.category(ch) in ("Cf", "Cc", "Co", "Cn", "Zs", "Zl", "Zp")):
+            return (f"holds {unicodedata.name(ch, f'U+{ord(ch):04X}')} (U+{ord(ch):04X}), "
+                    "an invisible, space or control character")
     return None
 
 
@@ -586,7 +591,8 @@ def _read_text(path: Path) -> str:
         raise ConfigError(["not a regular file (a directory, FIFO or device); point --config at the "
                            "cluster file itself"], str(path)) from None
     except FileTooLarge:
-        raise ConfigError([f"larger than {MAX_FILE_BYTES // 1024} KiB; a cluster file is a few KiB"], str(path)) from None
+        raise ConfigError([f"larger than {MAX_FILE_BYTES // 1024} KiB; a cluster file is a few KiB"],
+                          str(path)) from None
     except OSError as e:
         raise ConfigError([f"cannot read: {e.strerror}"], str(path)) from None
     try:

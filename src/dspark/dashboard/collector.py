@@ -304,7 +304,7 @@ class Collector:
         head = next((i for i, t in enumerate(self.targets.nodes) if t.role == "head"), None)
         head_answer = answers[head] if head is not None else None
         head_line = _line(head_answer.get("runtime_line")) if head_answer is not None else None
-        for n, a in zip(nodes, answers):
+        for n, a in zip(nodes, answers, strict=True):
             theirs = _line(a.get("runtime_line")) if a is not None else None
             n["other_line"] = n["role"] != "head" and None not in (head_line, theirs) and theirs != head_line
         return {"head": head_line, "mixed": any(n["other_line"] for n in nodes),
@@ -362,8 +362,9 @@ class Collector:
                                  _r(g.get(F.KV_USAGE), 4), fin.get("per_s"), fin.get("errors_interval"),
                                  fin.get("aborts_interval"),
                                  {key: _quantiles(lat.get(key)) for key, _ in LATENCIES}))
-        cols = list(zip(*self.history)) if self.history else [()] * len(HISTORY_KEYS)
-        history: dict = {"capacity": self.history.maxlen, **{k: list(v) for k, v in zip(HISTORY_KEYS, cols)}}
+        cols = list(zip(*self.history, strict=True)) if self.history else [()] * len(HISTORY_KEYS)
+        history: dict = {"capacity": self.history.maxlen,
+                         **{k: list(v) for k, v in zip(HISTORY_KEYS, cols, strict=True)}}
         history["latency"] = {key: {q: [p[key][i] for p in history["latency"]] for i, q in enumerate(QUANTILE_KEYS)}
                               for key, _ in LATENCIES}
         snap = {
@@ -483,7 +484,8 @@ def _liveness(live: object) -> dict | None:
     age = time.time() - at if isinstance(at, (int, float)) and not isinstance(at, bool) else None
     proof = live.get("proof") if live.get("proof") in ("progress", "probe") else None
     detail = live.get("proof_detail")
-    return {"ok": live.get("ok") is True, "proof": proof, "proof_age_s": _r(max(age, 0.0), 1) if age is not None else None,
+    return {"ok": live.get("ok") is True, "proof": proof,
+            "proof_age_s": _r(max(age, 0.0), 1) if age is not None else None,
             "proof_detail": detail if isinstance(detail, str) else ""}
 
 

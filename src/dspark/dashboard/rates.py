@@ -139,7 +139,7 @@ def _order_statistic(k: int, buckets: list[tuple[float, float, int]], total: flo
     """Bounds on the k-th smallest observation (1-based) and the index of its bucket; `total`
     (the exact sum) narrows them, or is None when it does not fit the buckets."""
     seen = 0
-    for j, (a, b, c) in enumerate(buckets):
+    for j, (a, b, c) in enumerate(buckets):  # noqa: B007 (read after the loop: the bucket it stopped at)
         if seen + c >= k:
             break
         seen += c

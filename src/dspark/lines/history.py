@@ -124,7 +124,7 @@ def table(hist: list[dict]) -> str:
                      "-" if h.get("down_s") is None else f"{h['down_s']:.0f} s", h.get("serving_on") or "-",
                      h.get("reason", "")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows)
 
 
 # ------------------------------------------------------------------ a switch whose owner is gone

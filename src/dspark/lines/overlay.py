@@ -276,7 +276,8 @@ EXIT_NOT_APPLIED = 3  # `check`: the tree does not carry the series (1 is an err
 def line_series(line_id: str) -> Path:
     """The series file of a runtime line (its ``series_file`` in dspark/data/runtime_lines.toml,
     relative to the checkout that holds ``overlay/``)."""
-    from dspark.lines import runtime as runtime_lines  # not in the Nix build's copy of this module: it passes the series
+    # not in the Nix build's copy of this module: it passes the series
+    from dspark.lines import runtime as runtime_lines
 
     lines = runtime_lines.load()
     if line_id not in lines.lines:

@@ -13,9 +13,9 @@ a node runs is state, the same on every node of a pair:
 another line since (a new deployment, a NixOS generation) supersedes the state. `switch` is set
 while a switch (or its rollback) is under way and cleared once the pair serves the line and the
 verdict is in; its owner (the `dspark switch` process: PID and start time) is named so that
-a record whose switch was killed is recognised and finished (dspark.lines.history). The head's file is written by `dspark switch`; a worker writes its own when it
-follows its head onto a line (dspark.node.policy), so that a worker restarted alone comes back
-on the pair's line.
+a record whose switch was killed is recognised and finished (dspark.lines.history). The head's
+file is written by `dspark switch`; a worker writes its own when it follows its head onto a line
+(dspark.node.policy), so that a worker restarted alone comes back on the pair's line.
 """
 
 from __future__ import annotations

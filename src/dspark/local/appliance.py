@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from dspark.node import states as A
 from dspark.config.schema import Cluster, ConfigError, DEFAULT_CONFIG_PATH, GIB, NodeConfig, SupervisorConfig
@@ -34,6 +34,9 @@ from dspark.local import model as local_model, vision as local_vision
 from dspark.local.model import TINY_MODEL
 
 WORKER_ADDR = "127.0.0.2"
+if TYPE_CHECKING:
+    from dspark.preflight import Host
+
 HEAD_ADDR = "127.0.0.1"
 HEAD_NAME = "local-head"
 WORKER_NAME = "local-worker"  # rank 1; ranks 2.. are local-worker-2, local-worker-3, ...
@@ -593,7 +596,7 @@ def wait_state(pair: Pair, node: NodeConfig, states: tuple[str, ...], timeout_s:
         time.sleep(0.5)
 
 
-def preflight(cluster: Cluster, node: NodeConfig, progress: Progress, host=None) -> None:
+def preflight(cluster: Cluster, node: NodeConfig, progress: Progress, host: Host | None = None) -> None:
     """`dspark check` for `node` before it starts: warnings and failures shown, a failure stops."""
     import dataclasses
 
@@ -610,7 +613,7 @@ def preflight(cluster: Cluster, node: NodeConfig, progress: Progress, host=None)
 
 
 def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = print,
-       compile: bool = False, on_ready: Callable[[Pair], None] | None = None, check_host=None,
+       compile: bool = False, on_ready: Callable[[Pair], None] | None = None, check_host: Host | None = None,
        nodes: int = DEFAULT_NODES, line: str | None = None, vision: bool = False) -> int:
     """Bring the appliance up, report, and supervise until Ctrl-C / SIGTERM; always stop every
     node. Each node is checked (`dspark check`) right before it starts; `check_host`: where the
@@ -631,7 +634,8 @@ def up(workdir: Path, ports: LocalPorts = LocalPorts(), progress: Progress = pri
 
 
 def _up(workdir: Path, ports: LocalPorts, progress: Progress, compile: bool,
-        on_ready: Callable[[Pair], None] | None, check_host, nodes: int, line: str | None, vision: bool) -> int:
+        on_ready: Callable[[Pair], None] | None, check_host: Host | None, nodes: int, line: str | None,
+        vision: bool) -> int:
     """up()'s body, with `workdir` held (`lock`)."""
     check_ports_free(ports, nodes)
     cluster_file = prepare(workdir, ports, compile, nodes, line, vision)

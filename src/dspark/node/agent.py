@@ -42,7 +42,8 @@ _SIMPLE = (
 MEMORY_GAUGES = (
     ("dspark_node_memory_total_bytes", "total_bytes", "Memory of the node (bytes)"),
     ("dspark_node_memory_used_bytes", "used_bytes", "Memory in use on the node (bytes)"),
-    ("dspark_node_memory_available_bytes", "available_bytes", "Memory available to new allocations on the node (bytes)"),
+    ("dspark_node_memory_available_bytes", "available_bytes",
+     "Memory available to new allocations on the node (bytes)"),
 )
 
 

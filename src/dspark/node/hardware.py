@@ -64,10 +64,10 @@ class Gpu:
             for h in self._handles or []:
                 g = dict(EMPTY_GPU)
                 for key, fn in (
-                    ("name", lambda: _text(nv.nvmlDeviceGetName(h))),
-                    ("temperature_c", lambda: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))),
-                    ("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
-                    ("utilization_pct", lambda: float(nv.nvmlDeviceGetUtilizationRates(h).gpu)),
+                    ("name", lambda h=h: _text(nv.nvmlDeviceGetName(h))),
+                    ("temperature_c", lambda h=h: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))),
+                    ("power_w", lambda h=h: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
+                    ("utilization_pct", lambda h=h: float(nv.nvmlDeviceGetUtilizationRates(h).gpu)),
                 ):
                     try:
                         g[key] = fn()

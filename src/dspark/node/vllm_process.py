@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Callable, TextIO
+from typing import Callable, Iterable, TextIO
 
 from dspark.engine import facts as vllm_facts
 from dspark.node.notify import child_env
@@ -169,7 +169,7 @@ class VllmProcess:
         threading.Thread(target=self._pump, args=(self.proc.stdout, self.log_filter), name="vllm-log",
                          daemon=True).start()
 
-    def _pump(self, stream, log_filter: ShutdownLog) -> None:
+    def _pump(self, stream: Iterable[str], log_filter: ShutdownLog) -> None:
         """Copy vLLM's log to ours (the journal) and note the stage each line announces."""
         out = self.out or sys.stdout
         for line in stream:

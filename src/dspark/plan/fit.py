@@ -162,9 +162,9 @@ class Scheduling:
     every group, window groups included, since nothing has settled yet). The pool is the blocks
     less one: BlockPool keeps one as its null block. With short prompts that all prefill in one
     step vLLM preempts the last one admitted in bands a few tokens wide wherever that peak
-    passes the pool (0.7 x 16, 1,144 blocks: 16 x 161 runs, 162 does not). Requests that all fit the first step's budget are
-    admitted in that step in order, each gated with the earlier ones holding their first
-    chunk. Every term grows with the length (window groups taken
+    passes the pool (0.7 x 16, 1,144 blocks: 16 x 161 runs, 162 does not). Requests that all fit
+    the first step's budget are admitted in that step in order, each gated with the earlier ones
+    holding their first chunk. Every term grows with the length (window groups taken
     at their most), so ``longest`` is the largest length below which every length runs.
     """
 

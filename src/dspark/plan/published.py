@@ -47,12 +47,17 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 from dspark.plan.facts import GiB, ModelFacts, PlanError, TensorInfo
 from dspark.plan.published_blocks import Tensors
 from dspark.plan.published_vision import Tensor, replicated_by_vllm, vision_tensors
 from dspark.plan import published_v41
+
+if TYPE_CHECKING:
+    from dspark.config.schema import Cluster, ServingConfig
+    from dspark.plan.fit import Plan
+    from dspark.plan.weights_only import WeightsOnlyPlan
 
 NAME = "deepseek-v4-flash"
 VISION_EXP = "deepseek-v4-flash-vision-exp"
@@ -213,7 +218,8 @@ def published_facts(name: str = NAME) -> ModelFacts:
     return published(name).facts()
 
 
-def plan_published(cluster=None, model: str = NAME, nodes: int | None = None):
+def plan_published(cluster: Cluster | None = None, model: str = NAME,
+                   nodes: int | None = None) -> Plan | WeightsOnlyPlan:
     """The plan of the published checkpoint ``model`` at `cluster`'s serving settings (a
     config.Cluster), or at the config's defaults (those of `dspark config init`) when there is
     none; on ``nodes`` nodes when given (tensor_parallel_size nodes x gpus_per_node), else the
@@ -255,7 +261,7 @@ def plan_published(cluster=None, model: str = NAME, nodes: int | None = None):
     return result if result.fits else _with_nodes_needed(result, ckpt, facts, serving)
 
 
-def _checkpoint_notes(ckpt: Published, facts: ModelFacts, tp: int, serving) -> list[str]:
+def _checkpoint_notes(ckpt: Published, facts: ModelFacts, tp: int, serving: ServingConfig) -> list[str]:
     """What the plan of a published checkpoint other than V4-Flash rests on."""
     title = ckpt.repo.split("/")[1]
     tensors = {t.name: t.nbytes for t in facts.tensors}
@@ -287,7 +293,8 @@ def _checkpoint_notes(ckpt: Published, facts: ModelFacts, tp: int, serving) -> l
         row_bytes = cfg["engram_head_dim"] + cfg["engram_head_dim"] // 32  # FP8 row and its ue8m0 scales
         total = sum(cfg["engram_num_embeddings"]) * row_bytes
         notes += [
-            f"the Engram tables ({total / GiB:.2f} GiB with their scales) are split by hash heads: {sum(per_rank) * row_bytes / GiB:.2f} "
+            f"the Engram tables ({total / GiB:.2f} GiB with their scales) are split by hash heads: "
+            f"{sum(per_rank) * row_bytes / GiB:.2f} "
             f"GiB on the fullest rank at TP={tp}; vLLM 0.32.0 keeps them in pinned host memory (--engram-config "
             "cpu_offload, its default), which on a GB10 is the same unified memory, so they are counted in the "
             "weights per rank (whether its gpu_memory_utilization budget counts them was not established); "
@@ -302,12 +309,13 @@ def _checkpoint_notes(ckpt: Published, facts: ModelFacts, tp: int, serving) -> l
     return notes
 
 
-def _with_nodes_needed(result, ckpt: Published, facts: ModelFacts, serving):
+def _with_nodes_needed(result: Plan | WeightsOnlyPlan, ckpt: Published, facts: ModelFacts,
+                       serving: ServingConfig) -> Plan | WeightsOnlyPlan:
     """Add the verdict in nodes: how many the weights and the reserve need, when they do not fit."""
     from dspark.plan.weights import split_weights
     from dspark.plan.weights_only import weights_fit
 
-    p = getattr(result, "plan", result)  # a WeightsOnlyPlan's full plan
+    p = cast("Plan", getattr(result, "plan", result))  # a WeightsOnlyPlan's full plan
     inputs = p.inputs
     tp, gpus = inputs.tensor_parallel_size, serving.gpus_per_node
     if weights_fit(p.weight_bytes_per_rank, p.runtime_overhead_bytes, inputs):
@@ -320,7 +328,8 @@ def _with_nodes_needed(result, ckpt: Published, facts: ModelFacts, serving):
                if groups % n == 0 and heads % n == 0 and n % gpus == 0
                and weights_fit(split.per_rank(n, 1), p.runtime_overhead_bytes, inputs)]
     title = ckpt.repo.split("/")[1]
-    budget = (f"{int(inputs.gpu_memory_utilization * inputs.usable_memory_bytes) / GiB:.2f} GiB (gpu_memory_utilization "
+    budget = (f"{int(inputs.gpu_memory_utilization * inputs.usable_memory_bytes) / GiB:.2f} GiB "
+              "(gpu_memory_utilization "
               f"{inputs.gpu_memory_utilization} x {inputs.usable_memory_bytes / GiB:.2f} GiB)"
               if inputs.kv_cache_memory_bytes is None else f"{inputs.usable_memory_bytes / GiB:.2f} GiB")
     nodes = tp // gpus

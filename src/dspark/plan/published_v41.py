@@ -111,7 +111,7 @@ def dsv41_tensors(cfg: dict) -> list[Tensor]:
     row_block, col_block = cfg["quantization_config"]["weight_block_size"]
     ratios, n_layers = cfg["compress_ratios"], cfg["num_hidden_layers"]
     kv_sources, index_sources = set(cfg["kv_source_layer_ids"]), set(cfg["index_source_layer_ids"])
-    engram = dict(zip(cfg["engram_layer_ids"], cfg["engram_num_embeddings"]))
+    engram = dict(zip(cfg["engram_layer_ids"], cfg["engram_num_embeddings"], strict=True))
     engram_dim = cfg["engram_head_dim"]
     engram_in = (cfg["engram_max_ngram_size"] - 1) * cfg["engram_n_heads"] * engram_dim
     rows = Tensors((row_block, col_block))

@@ -270,7 +270,8 @@ def check_caches(environ: Mapping[str, str], under_unit: bool) -> list[Check]:
         out.append(fail("cache.room", f"no space left: {room}", f"free space on {probe}'s filesystem"))
     elif free < cap:
         out.append(warn("cache.room", f"{room}, less than the CUDA JIT cache alone may take "
-                        f"(CUDA_CACHE_MAXSIZE {cap / GiB:.0f} GiB in the units)", f"free space on {probe}'s filesystem"))
+                        f"(CUDA_CACHE_MAXSIZE {cap / GiB:.0f} GiB in the units)",
+                        f"free space on {probe}'s filesystem"))
     else:
         out.append(ok("cache.room", room))
     return out

@@ -71,7 +71,8 @@ def check_model_dir(model_path: str, load_format: str | None, user: ServiceUser)
         why = readable_by(d / name, user)
         if why:
             unreadable.append(why)
-    extra_files = [p for p in d.iterdir() if p.is_file() and p.name not in files and p.name not in ("config.json", INDEX)]
+    extra_files = [p for p in d.iterdir()
+                   if p.is_file() and p.name not in files and p.name not in ("config.json", INDEX)]
     for p in sorted(extra_files)[:200]:  # tokenizer and generation config files vLLM also reads
         why = readable_by(p, user)
         if why:
@@ -99,7 +100,8 @@ def check_model_dir(model_path: str, load_format: str | None, user: ServiceUser)
         seen += "; every tensor of the index is in its shard"
     # The index's total_size is what the publisher wrote, not always the tensors' exact sum:
     # a difference is worth a look, not a refusal (the headers above are the proof of a whole download).
-    if isinstance(expected_total, int) and not isinstance(expected_total, bool) and expected_total != facts.weight_bytes:
+    if (isinstance(expected_total, int) and not isinstance(expected_total, bool)
+            and expected_total != facts.weight_bytes):
         out.append(warn("model.size", f"{seen}; {INDEX} says total_size {expected_total:,} bytes, the shards hold "
                         f"{facts.weight_bytes:,}", "compare with the publisher's file list; fetch the model again "
                         "if a shard is from another revision"))

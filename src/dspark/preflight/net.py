@@ -187,7 +187,8 @@ def check_rdma(node: NodeConfig, sys_root: Path) -> list[Check]:
         if _is_loopback(node.address):
             return [ok("rdma.device", "no rdma_device (a pair on one host: NCCL uses sockets)")]
         return [warn("rdma.device", "rdma_device is not set: NCCL falls back to TCP sockets or picks an HCA itself",
-                     f"set rdma_device (see `ls /sys/class/infiniband`) and gid_index = \"auto\" in node {node.name!r}")]
+                     "set rdma_device (see `ls /sys/class/infiniband`) and gid_index = \"auto\" "
+                     f"in node {node.name!r}")]
     if not (ib / dev).is_dir():
         names = ", ".join(sorted(p.name for p in ib.iterdir())) if ib.is_dir() else ""
         return [fail("rdma.device", f"no RDMA device {dev!r} (devices: {names or 'none: is mlx5_ib loaded?'})",

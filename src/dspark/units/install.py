@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 from dspark.units.names import SYSTEM_UNIT_DIR, SYSUSERS_FILE, USER
 from dspark.units.render import NodeRole, node_dropins, render_units, sysusers
@@ -43,7 +44,7 @@ def systemd_running(root: Path) -> bool:
 
 
 def install(nodes: list[NodeRole], config_path: str, dspark_bin: str, root: Path = Path("/"),
-            run=subprocess.run) -> tuple[list[Path], list[list[str]]]:
+            run: Callable[..., object] = subprocess.run) -> tuple[list[Path], list[list[str]]]:
     """Write the units, the nodes' drop-ins and the sysusers entry under `root`; when `root`
     is the running system, create the user and reload systemd. Returns (files, commands run)."""
     files = {f"{SYSTEM_UNIT_DIR}/{k}": v for k, v in render_units(dspark_bin).items()}

@@ -438,7 +438,8 @@ def node_dropins(nodes: list[NodeRole], config_path: str = DEFAULT_CONFIG) -> di
             order = ["# `systemctl start dspark-head` starts this host's workers first (READY=1: in the",
                      "# rendezvous); workers on other hosts are waited for by dspark-wait-worker.",
                      "Wants=" + " ".join(local), "After=" + " ".join(local)]
-            out[f"{HEAD}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", order) + "\n" + _section("Service", shared_tmp)
+            out[f"{HEAD}.d/{LOCAL_PAIR_DROPIN}"] = (why + _section("Unit", order) + "\n"
+                                                    + _section("Service", shared_tmp))
             out[f"{WAIT_WORKER}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", ["After=" + " ".join(local)])
     return out
 
