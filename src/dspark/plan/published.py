@@ -26,8 +26,8 @@ V4-Flash's conventions, seen in public tooling that validates the checkpoint:
   every MoE layer, the draft stages' included, and the routing bias on the hash layers too
   (vLLM 0.32.0 ``models/deepseek_v4/nvidia/model.py``: "Vision checkpoints ship a gate bias on
   hash layers too").
-Each description reproduces its published index exactly (tests/test_plan.py,
-tests/test_plan_published.py, tests/test_plan_published_models.py): V4-Flash 72,317 tensors
+Each description reproduces its published index exactly (tests/plan/test_plan.py,
+tests/plan/test_plan_published.py, tests/plan/test_plan_published_models.py): V4-Flash 72,317 tensors
 and a ``total_size`` of 166,878,536,440 bytes in 48 shards of 166,886,535,336 bytes in all;
 Vision-Exp 72,633 tensors and 167,811,372,792 bytes, its sorted names' SHA-256 (all, and
 language, mtp and vision apart) and its vision tensors' dtypes and shapes; V4.1 96,085 tensors

@@ -23,7 +23,7 @@ dump was found, so the dtypes and shapes are what vLLM 0.32.0 builds for each na
   hidden x (hc_mult + 1)), ``q_weight`` and ``k_weight`` (BF16, hc_mult x hidden);
 - the vision tower of Vision-Exp at V4.1's hidden size, without ``image_pad`` (published_vision).
 The result is the published index exactly: 96,085 tensors and a ``total_size`` of
-510,286,023,000 bytes (the model receipt of revision df42c109; tests/test_plan_published_models.py
+510,286,023,000 bytes (the model receipt of revision df42c109; tests/plan/test_plan_published_models.py
 checks both), and each Engram layer's six tensors come to the 101,535,150,272 and
 101,537,925,968 bytes that receipt gives for shards 47 and 48, which hold them.
 
