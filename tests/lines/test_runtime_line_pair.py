@@ -24,7 +24,8 @@ from dspark.node.agent import Agent
 from dspark.node.agent_client import AgentAnswer
 from dspark.node.liveness import LivenessJudge
 from dspark.local.model import TINY_MODEL
-from dspark.node.policy import EXIT_NEVER_READY, Events, Limits, NodePolicy, Peer
+from dspark.node.events import Events, Limits, Peer
+from dspark.node.policy import EXIT_NEVER_READY, NodePolicy
 from dspark.preflight import peer as P
 from tests.harness.dspark_cli import invoke_dspark
 

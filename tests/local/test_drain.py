@@ -21,7 +21,8 @@ import pytest
 from dspark.node import states as S
 from dspark.config import validate as C
 from dspark.local import appliance as L
-from dspark.node.policy import EXIT_DIED, EXIT_OK, Events
+from dspark.node.events import Events
+from dspark.node.policy import EXIT_DIED, EXIT_OK
 from dspark.engine.facts import RUNNING
 from dspark.engine.metrics import parse_samples
 from tests.local.test_no_orphans import run_of, wait_until

@@ -27,9 +27,10 @@ from typing import cast
 
 from dspark.node import states as S
 from dspark.node.agent_client import AgentAnswer, is_lost
+from dspark.node.events import EXIT_SWITCH, PEERS_POLL_S, Action, ActionKind, Events, History, Limits, Peer, Phase
+from dspark.node.line_follow import LineFollow
 from dspark.node.liveness import LivenessJudge, Verdict
-from dspark.node.probes import ReadyProbe, Round
-from dspark.node.vllm_process import at_least, stage_detail
+from dspark.node.stages import at_least, stage_detail
 
 # Exit codes (the unit sets RestartPreventExitStatus=2: a bad config is not retried; every other
 # failure is).
@@ -41,9 +42,6 @@ EXIT_DIED = 4            # the node was serving (or in its pair) and then died, 
 # --check` waited for it), a full or read-only filesystem, any OSError the cluster file cannot
 # fix. Not in RestartPreventExitStatus=: systemd restarts the node, which tries again.
 EXIT_RETRY = 5
-# Not an exit code: the run ends to go on at once on another runtime line (dspark.node.supervisor.serve
-# starts the next run in the same process; `switch_to` names the line).
-EXIT_SWITCH = 75
 
 # Restart backoff. The units restart a failed node after a short fixed RestartSec= (systemd 252
 # has no growing delay); the supervisor adds the growing part, from the failure history it
@@ -53,7 +51,6 @@ BACKOFF_MAX_S = 300.0
 BACKOFF_STABLE_S = 120.0  # serving this long clears the history
 
 READY_POLL_S = 0.1        # the head's /health poll before ready: READY within a tick of vLLM answering
-PEERS_POLL_S = 1.0
 EXTEND_EVERY_S = 30.0     # keep systemd's start timeout ahead of a long model load
 EXTEND_BY_S = 90.0
 
@@ -66,73 +63,8 @@ def backoff_delay(failures: int) -> float:
     return min(BACKOFF_FIRST_S * 2 ** (failures - 2), BACKOFF_MAX_S)
 
 
-# ------------------------------------------------------------------ what happened, what to do
 @dataclass
-class Events:
-    signal: int | None = None
-    vllm_exit: int | None = None          # vLLM's exit code, once it has exited
-    stage: str = "starting"               # the stage vLLM's log has reached
-    ready_probe: ReadyProbe | None = None  # a finished pre-ready probe (the head)
-    round: Round | None = None            # a finished liveness round (the head, once ready)
-    peers: dict[str, AgentAnswer] | None = None  # a finished poll of the peers' (workers') agents
-    running: frozenset[str] = frozenset()  # background probes still running: "ready_probe", "round", "peers"
-    wanted_line: str | None = None        # the head: the line its state says the pair runs (dspark.lines.state)
-    switching: bool | None = None         # the head: a switch is under way (its state's switch record)
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str
-    state: str = ""
-    detail: str = ""
-    code: int = 0
-    seconds: float = 0.0
-    history: str = ""   # for "exit": "clear", "keep" or "fail"
-    at_once: bool = False  # for "stop": SIGKILL without stop_grace_s (a drain that overran had its time)
-
-
-def _set(state: str, detail: str = "") -> Action:
-    return Action("state", state=state, detail=detail)
-
-
-# Action kinds: state (show a state), extend (EXTEND_TIMEOUT_USEC), start_vllm, ready (READY=1,
-# with detail), ready_probe / liveness_round / poll_peers (start one in the background),
-# record_probe (a failed pre-ready completion), watchdog, clear_history, say (a log line),
-# drain (SIGTERM to vLLM's API process alone: it drains; seconds: drain_s),
-# stop (stop vLLM; state/detail: how the node is shown meanwhile) and exit (code, history).
-
-
-@dataclass
-class Peer:
-    name: str
-    url: str
-    is_head: bool
-    started_at: float | None = None   # the peer's incarnation when the pair formed
-    last: dict | None = None          # its last /state
-    last_seen: float | None = None
-    stopping_since: float | None = None  # a head seen draining (STOPPING) since then
-
-
-@dataclass
-class Limits:
-    """The supervisor settings the policy needs (config.SupervisorConfig has them all)."""
-
-    ready_timeout_s: float
-    liveness_interval_s: float
-    head_lost_s: float
-    rendezvous_timeout_s: float
-    worker_wait_timeout_s: float
-    drain_s: float = 0.0        # a planned stop of the serving head drains this long (0: no drain)
-    stop_grace_s: float = 30.0  # and vLLM then has this long to exit
-
-    @classmethod
-    def of(cls, sup) -> "Limits":
-        return cls(sup.ready_timeout_s, sup.liveness_interval_s, sup.head_lost_s, sup.rendezvous_timeout_s,
-                   sup.worker_wait_timeout_s, sup.drain_s, sup.stop_grace_s)
-
-
-@dataclass
-class NodePolicy:
+class NodePolicy(LineFollow):
     is_head: bool
     limits: Limits
     judge: LivenessJudge
@@ -149,7 +81,7 @@ class NodePolicy:
     resumed: bool = False                 # this run goes on from a switch: systemd's watchdog is armed already
 
     def __post_init__(self) -> None:
-        self.phase = "init"
+        self.phase = Phase.INIT
         self.state, self.detail = S.STARTING, ""
         self.ready = self.paired = self.committed = False
         self.t_start = self.backoff_until = 0.0
@@ -174,23 +106,24 @@ class NodePolicy:
     def _show(self, out: list[Action], state: str, detail: str = "") -> None:
         if (state, detail) != (self.state, self.detail):
             self.state, self.detail = state, detail
-            out.append(_set(state, detail))
+            out.append(Action(ActionKind.STATE, state=state, detail=detail))
 
     def _end(self, out: list[Action], code: int, state: str, detail: str, *, stop: str = "",
-             history: str | None = None, at_once: bool = False, hold: bool = True) -> list[Action]:
+             history: History | None = None, at_once: bool = False, hold: bool = True) -> list[Action]:
         """Show the final state, stop vLLM (when `stop` says why), exit with `code`. A failure is
         shown before the stop (which can take stop_grace_s): clients see it at once. A stop on
         request shows STOPPING during the stop and STOPPED once vLLM is gone. A failure while a
         switch is under way holds the node instead (`_hold`), unless `hold` is False (a signal)."""
-        if hold and self.switching and code in (EXIT_NEVER_READY, EXIT_DIED) and self.phase != "held":
+        if hold and self.switching and code in (EXIT_NEVER_READY, EXIT_DIED) and self.phase != Phase.HELD:
             return self._hold(out, code, detail, stop)
-        self.phase = "done"
+        self.phase = Phase.DONE
         if state != S.STOPPED:
             self._show(out, state, detail)
         if stop:
-            out.append(Action("stop", state=self.state, detail=stop, at_once=at_once))
+            out.append(Action(ActionKind.STOP, state=self.state, detail=stop, at_once=at_once))
         self._show(out, state, detail)
-        out.append(Action("exit", code=code, history=history or ("clear" if code == EXIT_OK else "fail")))
+        out.append(Action(ActionKind.EXIT, code=code,
+                          history=history or (History.CLEAR if code == EXIT_OK else History.FAIL)))
         return out
 
     # ---------------------------------------------------------------- the machine
@@ -200,8 +133,8 @@ class NodePolicy:
         self.t_start = self._now = now
         delay = backoff_delay(self.failures) if self.track_history else 0.0
         if delay > 0:
-            self.phase, self.backoff_until = "backoff", now + delay
-            out.append(Action("extend", seconds=delay + 60))
+            self.phase, self.backoff_until = Phase.BACKOFF, now + delay
+            out.append(Action(ActionKind.EXTEND, seconds=delay + 60))
             self._show(out, S.STARTING, f"backoff: {self.failures} failed runs in a row "
                                         f"(last: {self.last_failure}); starting in {delay:.0f} s")
         else:
@@ -212,64 +145,64 @@ class NodePolicy:
         out: list[Action] = []
         self.t_start = now
         if self.is_head and self.peers:
-            self.phase, self.waiting_since = "workers", now
+            self.phase, self.waiting_since = Phase.WORKERS, now
             self._show(out, S.RENDEZVOUS, "waiting for the worker(s) to enter the rendezvous")
-            out.append(Action("poll_peers"))
+            out.append(Action(ActionKind.POLL_PEERS))
             self.last_peers = now
         else:
             out += self._start_vllm()
         return out
 
     def _start_vllm(self) -> list[Action]:
-        self.phase = "vllm"
-        return [Action("start_vllm")]
+        self.phase = Phase.VLLM
+        return [Action(ActionKind.START_VLLM)]
 
     def step(self, now: float, ev: Events) -> list[Action]:
         out: list[Action] = []
         self._now = now
-        if self.phase == "done":
+        if self.phase == Phase.DONE:
             return out
         if ev.signal is not None:
             return self._on_signal(out, ev.signal, now)
         if self.is_head and ev.switching is not None:
             self.switching = ev.switching
-        if self.phase == "held":
+        if self.phase == Phase.HELD:
             return self._held(out, now, ev)
         if (self.is_head and ev.wanted_line and self.runtime_line and ev.wanted_line != self.runtime_line
-                and self.phase != "draining"):
+                and self.phase != Phase.DRAINING):
             return self._switch(out, now, ev.wanted_line)
-        if self.phase == "draining":
+        if self.phase == Phase.DRAINING:
             return self._draining(out, now, ev)
-        if self.phase == "backoff":
+        if self.phase == Phase.BACKOFF:
             if now >= self.backoff_until:
                 out += self._begin(now)
             return out
-        if self.phase == "workers":
+        if self.phase == Phase.WORKERS:
             return self._waiting_for_workers(out, now, ev)
         return self._running(out, now, ev)
 
     def _on_signal(self, out: list[Action], sig: int, now: float) -> list[Action]:
         name = signal.Signals(sig).name
-        running = self.phase in ("vllm", "draining")
+        running = self.phase in (Phase.VLLM, Phase.DRAINING)
         if sig == signal.SIGHUP:
             why = "received SIGHUP: restarting the node (a failure exit: Restart=on-failure brings it back)"
             return self._end(out, EXIT_DIED, S.FAILED, why, stop=name if running else "", hold=False)
-        if self.phase == "backoff":
-            return self._end(out, EXIT_OK, S.STOPPED, "stopped during the restart backoff", history="keep")
-        if self.phase == "workers":
+        if self.phase == Phase.BACKOFF:
+            return self._end(out, EXIT_OK, S.STOPPED, "stopped during the restart backoff", history=History.KEEP)
+        if self.phase == Phase.WORKERS:
             return self._end(out, EXIT_OK, S.STOPPED, "stopped while waiting for the worker(s)")
         if not running:  # before anything started
-            return self._end(out, EXIT_OK, S.STOPPED, f"stopped ({name}) before starting vLLM", history="keep")
-        if self.phase == "draining":  # a second signal: the operator will not wait
+            return self._end(out, EXIT_OK, S.STOPPED, f"stopped ({name}) before starting vLLM", history=History.KEEP)
+        if self.phase == Phase.DRAINING:  # a second signal: the operator will not wait
             return self._end(out, EXIT_OK, S.STOPPED, f"vLLM killed at once: a second signal ({name}) during the "
                              "drain", stop=f"{name} during the drain", at_once=True)
         if self.is_head and self.ready and self.limits.drain_s > 0:
             lim = self.limits
-            self.phase, self.drain_signal = "draining", name
+            self.phase, self.drain_signal = Phase.DRAINING, name
             self.drain_until = now + lim.drain_s + lim.stop_grace_s
             self._show(out, S.STOPPING, f"received {name}: draining the requests in flight (up to "
                                         f"{lim.drain_s:g} s); new requests are turned away")
-            out.append(Action("drain", detail=name, seconds=lim.drain_s))
+            out.append(Action(ActionKind.DRAIN, detail=name, seconds=lim.drain_s))
             return out
         self._show(out, S.STOPPING, f"received {name}")
         return self._end(out, EXIT_OK, S.STOPPED, f"vLLM stopped after {name}", stop=name)
@@ -282,7 +215,7 @@ class NodePolicy:
         name = self.drain_signal
         # A drain for a switch ends the run for the next line (shown STOPPING: the pair goes on).
         code, final = (EXIT_SWITCH, S.STOPPING) if self.switch_to else (EXIT_OK, S.STOPPED)
-        hist = "keep" if self.switch_to else None
+        hist = History.KEEP if self.switch_to else None
         if ev.vllm_exit is not None:
             return self._end(out, code, final, f"vLLM drained its requests and stopped after {name}", history=hist)
         if self.peers and ev.peers is not None:
@@ -299,12 +232,12 @@ class NodePolicy:
                              f"(drain_s + stop_grace_s): killed", stop="the drain overran", at_once=True, history=hist)
         if self.peers and "peers" not in ev.running and now - self.last_peers >= PEERS_POLL_S:
             self.last_peers = now
-            out.append(Action("poll_peers"))
+            out.append(Action(ActionKind.POLL_PEERS))
         return out
 
     def _extend(self, out: list[Action], now: float) -> None:
         if now - self.last_extend > EXTEND_EVERY_S:
-            out.append(Action("extend", seconds=EXTEND_BY_S))
+            out.append(Action(ActionKind.EXTEND, seconds=EXTEND_BY_S))
             self.last_extend = now
 
     def _waiting_for_workers(self, out: list[Action], now: float, ev: Events) -> list[Action]:
@@ -338,25 +271,10 @@ class NodePolicy:
                                  f"worker not ready after {self.limits.worker_wait_timeout_s:g} s: {seen}; "
                                  + S.START_WORKERS_FIRST)
             # Polled briskly: every moment here is added to the pair's start.
-            out.append(Action("poll_peers"))
+            out.append(Action(ActionKind.POLL_PEERS))
         elif "peers" not in ev.running:
-            out.append(Action("poll_peers"))  # the last poll ended without an answer (never here)
+            out.append(Action(ActionKind.POLL_PEERS))  # the last poll ended without an answer (never here)
         return out
-
-    def _other_line(self, answers: dict[str, AgentAnswer]) -> str | None:
-        """Why the head refuses to form the pair: a worker that reports another runtime line
-        (one vLLM engine cannot span two releases). A worker that reports none (an older dspark)
-        is left to `dspark check`'s comparison of the runtimes."""
-        for p in self.peers:
-            a = answers.get(p.name)
-            theirs = (a.state or {}).get("runtime_line") if a is not None else None
-            if self.file_line and a is not None and (a.state or {}).get("file_line") == self.file_line:
-                continue  # the same cluster file: the worker follows this head onto its line
-            if self.runtime_line and isinstance(theirs, str) and theirs and theirs != self.runtime_line:
-                return (f"refusing to form the pair on two runtime lines: {p.name} runs {theirs}, this head "
-                        f"runs {self.runtime_line}; put every node on one line (serving.runtime_line in the "
-                        "same cluster file on every node), then restart the workers first")
-        return None
 
     def _running(self, out: list[Action], now: float, ev: Events) -> list[Action]:
         lim = self.limits
@@ -381,30 +299,30 @@ class NodePolicy:
                     if rp.live.ok:
                         self.verdict = self.judge.probed(True, None, rp.live.latency_s, rp.progress, now)
                         self.probe, self.version = rp.live, rp.version
-                        out.append(Action("record_round"))
+                        out.append(Action(ActionKind.RECORD_ROUND))
                         self.ready = self.paired = True
                         self.last_live = now
                         self._show(out, S.SERVING, f"API on {self.api_url}")
-                        out.append(Action("ready", detail=f"serving: API on {self.api_url}"))
+                        out.append(Action(ActionKind.READY, detail=f"serving: API on {self.api_url}"))
                     else:
                         self.failed_probe = rp.live
-                        out.append(Action("record_probe"))
+                        out.append(Action(ActionKind.RECORD_PROBE))
                 if not self.ready and "ready_probe" not in ev.running and now - self.last_health >= READY_POLL_S:
                     self.last_health = now
-                    out.append(Action("ready_probe"))
+                    out.append(Action(ActionKind.READY_PROBE))
             elif stage != "starting":
                 # Up and waiting for (or in) the rendezvous: the worker is ready.
                 self.ready = True
-                out.append(Action("ready", detail=f"{stage}: {stage_detail(stage)}"))
-                out.append(Action("say", detail="ready (in the rendezvous)"))
+                out.append(Action(ActionKind.READY, detail=f"{stage}: {stage_detail(stage)}"))
+                out.append(Action(ActionKind.SAY, detail="ready (in the rendezvous)"))
         elif self.is_head:
             r = ev.round
             if r is not None:
                 self.verdict, self.probe = r.verdict, r.probe
-                out.append(Action("record_round"))
+                out.append(Action(ActionKind.RECORD_ROUND))
                 v = r.verdict
                 if not v.alive:
-                    out.append(Action("say", detail=v.reason))
+                    out.append(Action(ActionKind.SAY, detail=v.reason))
                 if v.dead:
                     hung = r.probe is not None and r.probe.latency_s is None
                     if self.watchdog_s and hung:
@@ -418,7 +336,7 @@ class NodePolicy:
                                          stop="liveness lost")
             if "round" not in ev.running and now - self.last_live >= lim.liveness_interval_s:
                 self.last_live = now
-                out.append(Action("liveness_round"))
+                out.append(Action(ActionKind.LIVENESS_ROUND))
         else:
             if self.state != S.SERVING and stage != self.state and stage != "starting":
                 self._show(out, stage, stage_detail(stage))
@@ -447,7 +365,7 @@ class NodePolicy:
                                  f"no head joined within {lim.rendezvous_timeout_s:g} s", stop="rendezvous timed out")
             if "peers" not in ev.running and now - self.last_peers >= PEERS_POLL_S:
                 self.last_peers = now
-                out.append(Action("poll_peers"))
+                out.append(Action(ActionKind.POLL_PEERS))
 
         if self.state != S.SERVING:
             self.serving_since = None
@@ -458,158 +376,28 @@ class NodePolicy:
                 and now - self.serving_since >= BACKOFF_STABLE_S):
             self.history_cleared = True  # served long enough: the next failure restarts at once
             self.failures = 0
-            out.append(Action("clear_history"))
+            out.append(Action(ActionKind.CLEAR_HISTORY))
 
         wd = self.watchdog_s
         # A run that goes on after a switch starts under a watchdog armed by the first run's READY:
         # it is fed while this run starts (ready_timeout_s bounds the start), as the first run's
         # start was covered by the start timeout.
-        starting_again = self.resumed and not self.ready and self.phase == "vllm"
+        starting_again = self.resumed and not self.ready and self.phase == Phase.VLLM
         if (self.ready or starting_again) and wd and now - self.last_dog >= wd and self._watchdog_ok(now, ev):
             self.last_dog = now
-            out.append(Action("watchdog"))
+            out.append(Action(ActionKind.WATCHDOG))
         return out
-
-    # ---------------------------------------------------------------- runtime lines
-    def _head_answer(self, answers: dict[str, AgentAnswer]) -> tuple[Peer | None, dict | None]:
-        """A worker: its head, and the head's /state in this poll (None when it did not answer)."""
-        head = next((p for p in self.peers if p.is_head), None)
-        a = answers.get(head.name) if head is not None else None
-        return head, (a.state if a is not None else None)
-
-    def _head_line(self, answers: dict[str, AgentAnswer]) -> str | None:
-        """A worker: the line its head runs, when it is not this worker's and the head reads the
-        same cluster file (then the pair's line is the head's: the worker follows). The head's
-        switch record, when it shows one, says whether a failure on the way holds."""
-        _, st = self._head_answer(answers)
-        if not st:
-            return None
-        if not self.is_head:
-            self.switching = bool(st.get("line_switch"))
-        theirs = st.get("runtime_line")
-        if (isinstance(theirs, str) and theirs and self.runtime_line and theirs != self.runtime_line
-                and self.file_line and st.get("file_line") == self.file_line):
-            return theirs
-        return None
-
-    def _switch(self, out: list[Action], now: float, to: str, why: str = "") -> list[Action]:
-        """End this run to go on on line `to` (`why`: said instead of "switching from ... to ..."):
-        a serving head drains first (drain_s), anything else stops vLLM at once; a worker that
-        does not have the line holds."""
-        if not self.is_head and to not in self.installed:
-            why = (f"cannot follow the head onto runtime line {to}: it is not installed on this node "
-                   f"(serving.line_commands has {', '.join(sorted(self.installed)) or 'no line'})")
-            self.switching = True
-            return self._hold(out, EXIT_NEVER_READY, why, "the head left this line" if self.phase == "vllm" else "",
-                              held_on=to)
-        self.switch_to = to
-        what = why or f"switching from runtime line {self.runtime_line} to {to}"
-        if self.is_head and self.phase == "vllm" and self.ready and self.limits.drain_s > 0:
-            lim = self.limits
-            self.phase, self.drain_signal = "draining", "the switch"
-            self.drain_until = now + lim.drain_s + lim.stop_grace_s
-            self._show(out, S.STOPPING, f"{what}: draining the requests in flight (up to {lim.drain_s:g} s)")
-            out.append(Action("drain", detail="the switch", seconds=lim.drain_s))
-            return out
-        running = self.phase == "vllm"
-        # A worker follows a head whose vLLM is gone already: its own has nothing left to finish.
-        return self._end(out, EXIT_SWITCH, S.STOPPING, what, stop=what if running else "", history="keep",
-                         at_once=not self.is_head)
-
-    def _hold(self, out: list[Action], code: int, detail: str, stop: str, held_on: str | None = None) -> list[Action]:
-        """A failure while the pair switches lines: stop vLLM, show FAILED and stay (the agent
-        answering) until the pair's line changes (the switch's rollback) or the hold times out;
-        exiting would end `dspark local up`, and under systemd restart onto the same line."""
-        lim = self.limits
-        self.phase, self.held_code = "held", code
-        self.held_on = held_on or self.runtime_line
-        self.hold_s = max(lim.ready_timeout_s, lim.worker_wait_timeout_s)
-        self.hold_until = self._now + self.hold_s
-        detail = f"{detail}; holding until the pair's runtime line changes (the switch's rollback)"
-        self._show(out, S.FAILED, detail)
-        if stop:
-            out.append(Action("stop", state=self.state, detail=stop))
-            self._show(out, S.FAILED, detail)
-        return out
-
-    def _held(self, out: list[Action], now: float, ev: Events) -> list[Action]:
-        to, why = None, ""
-        if self.is_head:
-            if ev.wanted_line and ev.wanted_line != self.held_on:
-                to, why = ev.wanted_line, f"the pair moved to runtime line {ev.wanted_line}"
-        elif ev.peers is not None:
-            to, why = self._held_worker_follows(ev.peers)
-        if to is not None:
-            self.switch_to = to
-            return self._end(out, EXIT_SWITCH, S.STOPPING, why, history="keep")
-        failure = self.detail.split("; holding")[0]
-        if not self.switching:  # the switch ended (its verdict, or resolved as abandoned): nothing to wait for
-            return self._end(out, self.held_code, S.FAILED, f"{failure}; the switch is over")
-        if now >= self.hold_until:
-            self.switching = False
-            return self._end(out, self.held_code, S.FAILED, f"{failure}; the pair's line did not change within "
-                                                            f"{self.hold_s:g} s")
-        if not self.is_head and "peers" not in ev.running and now - self.last_peers >= PEERS_POLL_S:
-            self.last_peers = now
-            out.append(Action("poll_peers"))
-        self._feed(out, now)  # holding on purpose, not hung
-        return out
-
-    def _held_worker_follows(self, answers: dict[str, AgentAnswer]) -> tuple[str | None, str]:
-        """A held worker: (the line to go on on, why) when its head answers on another line this
-        worker has, or restarted on this one. A head that answers without a switch record ends
-        the hold (`switching`)."""
-        _, st = self._head_answer(answers)
-        if not st:
-            return None, ""  # not answering (between two runs): nothing learnt
-        self.switching = bool(st.get("line_switch"))
-        theirs = st.get("runtime_line")
-        if (isinstance(theirs, str) and theirs != self.held_on and st.get("file_line") == self.file_line
-                and theirs in self.installed):
-            return theirs, f"the pair moved to runtime line {theirs}"
-        back = self._head_reformed(answers)
-        if back is not None:
-            return back, f"the head restarted on runtime line {back}: the pair re-forms there"
-        return None, ""
-
-    def _head_stopped(self, answers: dict[str, AgentAnswer]) -> str | None:
-        """A worker: its head's name when the head shows STOPPED (a planned stop, its drain over):
-        the worker stops too, cleanly (exit 0: nothing for systemd to restart), its vLLM at once
-        (its collective's other end is gone). Start the pair again worker first."""
-        head, st = self._head_answer(answers)
-        return head.name if head is not None and st and st.get("state") == S.STOPPED else None
-
-    def _head_reformed(self, answers: dict[str, AgentAnswer]) -> str | None:
-        """A worker: the head's line when the head answers as a new incarnation (not the one this
-        worker paired with) on a line this worker has, of the same cluster file: a head back on
-        the old line after a switch interrupted during its drain. The worker goes on there (its
-        next run enters the rendezvous first), where a broken pair would hold it or end it."""
-        head, st = self._head_answer(answers)
-        if head is None or head.started_at is None or not st or st.get("started_at") == head.started_at:
-            return None
-        theirs = st.get("runtime_line")
-        if isinstance(theirs, str) and st.get("file_line") == self.file_line and theirs in self.installed:
-            return theirs
-        return None
 
     def _feed(self, out: list[Action], now: float) -> None:
         if self.watchdog_s and now - self.last_dog >= self.watchdog_s:
             self.last_dog = now
-            out.append(Action("watchdog"))
+            out.append(Action(ActionKind.WATCHDOG))
 
     def _watchdog_ok(self, now: float, ev: Events) -> bool:
         if self.is_head and self.ready:
             # Only while a liveness round found the engine alive recently (progress or probe).
             return self.judge.fed(now)
         return ev.vllm_exit is None
-
-    def _follow_head(self, out: list[Action]) -> None:
-        """A worker is serving while its head is; the pair forms when the head serves."""
-        head = next((p for p in self.peers if p.is_head), None)
-        if (head is not None and head.last and head.last.get("state") == S.SERVING and self.ready
-                and self.state != S.SERVING):
-            self.paired = True
-            self._show(out, S.SERVING, f"pair serving with {head.name}")
 
     def _peers(self, now: float, answers: dict[str, AgentAnswer]) -> str | None:
         """Why the pair is broken, or None."""

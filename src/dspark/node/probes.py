@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 from urllib.parse import urlsplit
 
 from dspark.engine import facts as vllm_facts
 from dspark.node.agent_client import AgentAnswer, fetch_state
 from dspark.net.http import HTTPFailure, get_object, request
-from dspark.node.liveness import LivenessJudge, Progress, Verdict, read_progress
+from dspark.node.events import ReadyProbe, Round
+from dspark.node.liveness import LivenessJudge, Progress, read_progress
 from dspark.node.port_owner import foreign_listener
 from dspark.node.states import Liveness
 
@@ -92,16 +92,6 @@ class VllmProbes:
         return v if isinstance(v, str) else None
 
 
-@dataclass(frozen=True)
-class ReadyProbe:
-    """Before ready (the head): /health, then a 1-token completion once /health answers."""
-
-    healthy: bool
-    live: Liveness | None = None        # the completion, when /health answered
-    progress: Progress | None = None    # /metrics after a good completion (the judge's baseline)
-    version: str | None = None
-
-
 def ready_probe(probes: VllmProbes, timeout: float) -> ReadyProbe:
     if not probes.health():
         return ReadyProbe(False)
@@ -109,15 +99,6 @@ def ready_probe(probes: VllmProbes, timeout: float) -> ReadyProbe:
     if not live.ok:
         return ReadyProbe(True, live)
     return ReadyProbe(True, live, probes.progress(timeout), probes.version())
-
-
-@dataclass(frozen=True)
-class Round:
-    """One liveness round's outcome: the judge's verdict, the probe when one ran, and when."""
-
-    verdict: Verdict
-    probe: Liveness | None
-    at: float  # the judge's clock
 
 
 def liveness_round(judge: LivenessJudge, probes: VllmProbes, timeout: float,

@@ -5,6 +5,8 @@ The supervisor wires four parts together and owns the one loop that acts:
   dspark.node.probes        /health, the 1-token completion, /metrics progress, the peers' agents;
                        each runs in the background, never in the loop
   dspark.node.policy   the head/worker state machine: ready, live, broken pair, backoff, exit
+                       (its events and actions: dspark.node.events; following the head's
+                       runtime line: dspark.node.line_follow)
   dspark.node.signals       handlers that only queue the signal; the loop waits on that queue, so a
                        signal is acted on at once, whatever a probe is doing
 and speaks sd_notify, serves the node agent and keeps the failure history (restart backoff).
@@ -12,13 +14,14 @@ and speaks sd_notify, serves the node agent and keeps the failure history (resta
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO, assert_never
 
 from dspark.node import hardware
 from dspark.lines import state as line_state
@@ -27,19 +30,11 @@ from dspark.lines import history as switch_history
 from dspark import log as L
 from dspark.node import states as S
 from dspark.node.agent import Agent
-from dspark.config.schema import Cluster, ConfigError, NodeConfig
+from dspark.config.schema import Cluster, ConfigError, NodeConfig, SupervisorConfig
 from dspark.config.credentials import read_api_key
 from dspark.node.liveness import LivenessJudge
-from dspark.node.policy import (
-    EXIT_DIED,
-    EXIT_OK,
-    EXIT_SWITCH,
-    Action,
-    Events,
-    Limits,
-    NodePolicy,
-    Peer,
-)
+from dspark.node.events import EXIT_SWITCH, Action, ActionKind, Events, History, Limits, Peer, Phase
+from dspark.node.policy import EXIT_DIED, EXIT_OK, NodePolicy
 from dspark.node.notify import Notifier
 from dspark.node.probes import Background, VllmProbes, liveness_round, poll_agents, ready_probe
 from dspark.node.rdma import resolve_gid_index
@@ -267,56 +262,61 @@ class Supervisor:
         """Carry out the policy's actions; the exit code once it says exit."""
         p, sup = self.policy, self.sup
         for a in actions:
-            k = a.kind
-            if k == "state":
-                self.set_state(a.state, a.detail)
-            elif k == "say":
-                # The policy's one warning among its remarks: a liveness round that failed.
-                failed_round = p.verdict is not None and not p.verdict.alive and a.detail == p.verdict.reason
-                self.say(a.detail, logging.WARNING if failed_round else logging.INFO)
-            elif k == "extend":
-                self.notify.extend_timeout(a.seconds)
-            elif k == "start_vllm":
-                self.say("starting vLLM: " + " ".join(self.vllm.launch.redacted_argv()))
-                self.vllm.start()
-                with self._lock:
-                    self.state.vllm_pid = self.vllm.pid
-            elif k == "ready":
-                if p.version:
+            match a.kind:
+                case ActionKind.STATE:
+                    self.set_state(a.state, a.detail)
+                case ActionKind.SAY:
+                    # The policy's one warning among its remarks: a liveness round that failed.
+                    failed_round = p.verdict is not None and not p.verdict.alive and a.detail == p.verdict.reason
+                    self.say(a.detail, logging.WARNING if failed_round else logging.INFO)
+                case ActionKind.EXTEND:
+                    self.notify.extend_timeout(a.seconds)
+                case ActionKind.START_VLLM:
+                    self._start_vllm()
+                case ActionKind.READY:
+                    if p.version:
+                        with self._lock:
+                            self.state.vllm_version = p.version
+                    self.notify.ready(a.detail)
+                case ActionKind.READY_PROBE:
+                    self._ready_probe.start(lambda: ready_probe(self.probes, sup.liveness_timeout_s))
+                case ActionKind.LIVENESS_ROUND:
+                    self._round.start(lambda: liveness_round(p.judge, self.probes, sup.liveness_timeout_s))
+                case ActionKind.POLL_PEERS:
+                    urls = {peer.name: peer.url for peer in p.peers}
+                    self._peers.start(functools.partial(poll_agents, urls, timeout=1.0))
+                case ActionKind.RECORD_ROUND:
+                    self._record_liveness()
+                case ActionKind.RECORD_PROBE:
                     with self._lock:
-                        self.state.vllm_version = p.version
-                self.notify.ready(a.detail)
-            elif k == "ready_probe":
-                self._ready_probe.start(lambda: ready_probe(self.probes, sup.liveness_timeout_s))
-            elif k == "liveness_round":
-                self._round.start(lambda: liveness_round(p.judge, self.probes, sup.liveness_timeout_s))
-            elif k == "poll_peers":
-                urls = {peer.name: peer.url for peer in p.peers}
-                self._peers.start(lambda: poll_agents(urls, timeout=1.0))
-            elif k == "record_round":
-                self._record_liveness()
-            elif k == "record_probe":
-                with self._lock:
-                    self.state.liveness = p.failed_probe
-            elif k == "watchdog":
-                self.notify.watchdog()
-            elif k == "clear_history":
-                if self.history is not None:
-                    self.history.save(0)
-            elif k == "drain":
-                self._drain_vllm(a.detail, a.seconds)
-            elif k == "stop":
-                self._stop_vllm(a.detail, at_once=a.at_once)
-            elif k == "exit":
-                if self.history is not None:
-                    if a.history == "clear":
+                        self.state.liveness = p.failed_probe
+                case ActionKind.WATCHDOG:
+                    self.notify.watchdog()
+                case ActionKind.CLEAR_HISTORY:
+                    if self.history is not None:
                         self.history.save(0)
-                    elif a.history == "keep":
-                        self.history.save(p.failures, p.last_failure)
-                    else:
-                        self.history.save(p.failures + 1, f"exit {a.code}: {self.state.detail}")
-                return a.code
+                case ActionKind.DRAIN:
+                    self._drain_vllm(a.detail, a.seconds)
+                case ActionKind.STOP:
+                    self._stop_vllm(a.detail, at_once=a.at_once)
+                case ActionKind.EXIT:
+                    if self.history is not None:
+                        if a.history == History.CLEAR:
+                            self.history.save(0)
+                        elif a.history == History.KEEP:
+                            self.history.save(p.failures, p.last_failure)
+                        else:
+                            self.history.save(p.failures + 1, f"exit {a.code}: {self.state.detail}")
+                    return a.code
+                case unknown:
+                    assert_never(unknown)
         return None
+
+    def _start_vllm(self) -> None:
+        self.say("starting vLLM: " + " ".join(self.vllm.launch.redacted_argv()))
+        self.vllm.start()
+        with self._lock:
+            self.state.vllm_pid = self.vllm.pid
 
     def _record_liveness(self) -> None:
         verdict, probe = self.policy.verdict, self.policy.probe
@@ -358,7 +358,7 @@ class Supervisor:
         line, follows in this process: serve()) or a hold (the node waits for the pair's line to
         change). Then the unit is not stopping: STOPPING=1 cannot be taken back (systemd would
         keep the unit deactivating and kill it TimeoutStopSec later, mid-switch)."""
-        return self.policy.phase == "held" or self.policy.switch_to is not None
+        return self.policy.phase == Phase.HELD or self.policy.switch_to is not None
 
     def _stop_vllm(self, reason: str, at_once: bool = False) -> None:
         grace = 0.0 if at_once else self.sup.stop_grace_s
@@ -403,7 +403,8 @@ def _starts(state_dir: Path) -> int:
                                max_bytes=MAX_STARTS_BYTES)
 
 
-def _resolve_abandoned(state_dir: Path, file_line: str, sup, by: str, serving_on: str | None, say) -> None:
+def _resolve_abandoned(state_dir: Path, file_line: str, sup: SupervisorConfig, by: str, serving_on: str | None,
+                       say: Callable[[str, int], None]) -> None:
     """The head's part of dspark.lines.history.resolve_abandoned: what it did (or could not do)
     said as a warning through `say(message, level)`."""
     try:
@@ -458,12 +459,14 @@ def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
                 raise
             # The state names a line this cluster file no longer installs (or a retired one): back
             # to the file's, and the state says so, or the head's watch of it would switch again.
-            L.line(logging.WARNING, f"dspark[{node.name}]: {e.problems[0]}; running the cluster file's line {file_line}")
+            L.line(logging.WARNING,
+                   f"dspark[{node.name}]: {e.problems[0]}; running the cluster file's line {file_line}")
             line, on_line = file_line, cluster.on_line(file_line)
             if state_dir is not None:
                 line_state.write(state_dir, line_state.LineState(file_line, file_line))
-        sup = Supervisor(on_line, on_line.node(node.name), state_dir=state_dir, api_key=api_key, backoff=backoff and first,
-                         signals=signals, file_line=file_line, switching=switching, count_start=first)
+        sup = Supervisor(on_line, on_line.node(node.name), state_dir=state_dir, api_key=api_key,
+                         backoff=backoff and first, signals=signals, file_line=file_line, switching=switching,
+                         count_start=first)
         sup.state.identity = identity
         code = sup.run()
         to = sup.policy.switch_to

@@ -25,10 +25,10 @@ import time
 from collections.abc import Sequence
 from typing import Callable, Iterable, TextIO
 
-from dspark.engine import facts as vllm_facts
 from dspark.node.notify import child_env
 from dspark.node.launch import Launch
 from dspark.engine.log import ShutdownLog
+from dspark.node.stages import next_stage
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_DEATH_SIGNAL = signal.SIGKILL  # a SIGTERM starts vLLM's graceful shutdown, which waits on clients
@@ -70,33 +70,7 @@ os.killpg(0, signal.SIGKILL)
 _VERSION_RE = re.compile(r"\(v(\d[^)\s]*)\)|version (\d+\.\d+\.\d+\S*)")
 
 
-# ------------------------------------------------------------------ log lines -> stages
-def later(stage: str, current: str) -> bool:
-    order = vllm_facts.STAGE_ORDER
-    return order.index(stage) > order.index(current) if current in order else False
-
-
-def at_least(stage: str, floor: str) -> bool:
-    order = vllm_facts.STAGE_ORDER
-    return stage in order and order.index(stage) >= order.index(floor)
-
-
-def stage_detail(stage: str) -> str:
-    return {
-        "rendezvous": "vLLM is in the rendezvous",
-        "loading": "loading the model",
-        "warming": "warming up (profiling, compiling, capturing graphs)",
-    }.get(stage, "")
-
-
-def next_stage(line: str, current: str) -> str:
-    """The stage after reading `line` (stages only move forward)."""
-    for marker, stage in vllm_facts.LOG_STAGES:
-        if marker in line and later(stage, current):
-            current = stage
-    return current
-
-
+# ------------------------------------------------------------------ log lines
 def version_in(line: str) -> str | None:
     if "vLLM" in line or "version" in line:
         m = _VERSION_RE.search(line)
