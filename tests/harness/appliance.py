@@ -50,7 +50,7 @@ CHECKOUT_LINES = ROOT / ".venv-lines"
 # The stand-in vLLM inside the container (use_standin): a copy of tests/harness/standin_vllm.py, mode 0644
 # under 0755 folders, so user dspark reads it wherever the checkout lives (a CI clone under /root,
 # mode 700, would not do); the runtime's interpreter (runtime()) runs it.
-STANDIN_SOURCE = ROOT / "tests" / "harness" / "tests/harness/standin_vllm.py"
+STANDIN_SOURCE = ROOT / "tests" / "harness" / "standin_vllm.py"
 STANDIN = "/opt/dspark/standin/vllm.py"
 UNITS = ("dspark-head.service", "dspark-worker.service", "dspark-wait-worker.service",
          "dspark-worker-ready.target")  # the pair's (Appliance.units: any number of nodes)

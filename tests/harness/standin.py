@@ -15,7 +15,7 @@ from dspark.config.template import dumps
 from dspark.config import validate as C
 from tests.harness.pair import dspark_cmd, get_json
 
-STANDIN = Path(__file__).parent / "tests/harness/standin_vllm.py"
+STANDIN = Path(__file__).parent / "standin_vllm.py"
 
 
 def free_port(host="127.0.0.1") -> int:

@@ -26,7 +26,7 @@ from dspark.node.launch import API_GUARD_DIR, node_env, render
 
 TESTS = Path(__file__).parents[1]
 FIXTURE = TESTS / "fixtures" / "cluster-two-node.toml"
-PROBE = TESTS / "harness" / "tests/harness/api_guard_probe.py"
+PROBE = TESTS / "harness" / "api_guard_probe.py"
 KEY = "sk-guard-test"
 
 pytestmark = pytest.mark.vllm
