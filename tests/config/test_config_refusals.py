@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from dspark.config.flags import DSPARK_FLAGS
 from dspark.config.schema import Cluster, ConfigError, GIB, ModelConfig, NodeConfig
 from dspark.config.template import dumps, template
 from dspark.config import validate as C
@@ -307,7 +308,7 @@ def test_every_flag_render_writes_is_owned():
         argv = vllm_argv(c, node)[len(c.serving.vllm_command):]
         argv = argv[:len(argv) - len(c.serving.extra_args)]
         flags = {a for a in argv if a.startswith("-")}
-        assert flags and flags <= set(C.DSPARK_FLAGS), flags - set(C.DSPARK_FLAGS)
+        assert flags and flags <= set(DSPARK_FLAGS), flags - set(DSPARK_FLAGS)
         assert all(C.owned_flag(f) == f for f in flags)
     c = C.from_dict(dict(good(), serving=dict(good()["serving"], speculative_config=None, extra_args=[])))
-    assert {a for a in vllm_argv(c, c.head) if a.startswith("-")} <= set(C.DSPARK_FLAGS)
+    assert {a for a in vllm_argv(c, c.head) if a.startswith("-")} <= set(DSPARK_FLAGS)

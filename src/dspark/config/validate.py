@@ -21,6 +21,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
+from dspark.config.flags import DSPARK_FLAGS
 from dspark.config.schema import (
     DEFAULT_CONFIG_PATH,
     PLACEHOLDER,
@@ -284,44 +285,10 @@ def check(c: Cluster) -> list[str]:
     return p
 
 
-# The options dspark writes on vLLM's command line from the fields (render.vllm_argv; the test
-# test_config_refusals.test_every_flag_render_writes_is_owned keeps the two in step), with the
-# field to set instead. argparse takes `--opt=v`, `--opt_name` (vLLM reads _ as -), an
-# unambiguous abbreviation (`--node-r`), `--opt.key=v` for a JSON option, and `--no-opt` for a
-# switch: each of those is the same option.
-DSPARK_FLAGS = {
-    "--model": "model.path", "--served-model-name": "model.served_name",
-    "--trust-remote-code": "model.trust_remote_code",
-    "--host": "the head's api_host", "--port": "the head's api_port",
-    "--tensor-parallel-size": "serving.tensor_parallel_size", "-tp": "serving.tensor_parallel_size",
-    "--pipeline-parallel-size": "serving.pipeline_parallel_size", "-pp": "serving.pipeline_parallel_size",
-    "--kv-cache-dtype": "serving.kv_cache_dtype", "--block-size": "serving.block_size",
-    "--max-model-len": "serving.max_model_len", "--max-num-seqs": "serving.max_num_seqs",
-    "--max-num-batched-tokens": "serving.max_num_batched_tokens",
-    "--long-prefill-token-threshold": "serving.long_prefill_token_threshold",
-    "--max-cudagraph-capture-size": "serving.max_cudagraph_capture_size",
-    "--cudagraph-capture-sizes": "serving.cudagraph_capture_sizes",
-    "--kv-cache-memory-bytes": "serving.kv_cache_memory_bytes",
-    "--gpu-memory-utilization": "serving.gpu_memory_utilization",
-    "--load-format": "serving.load_format", "--moe-backend": "serving.moe_backend",
-    "--enable-prefix-caching": "serving.enable_prefix_caching", "--async-scheduling": "serving.async_scheduling",
-    "--enable-chunked-prefill": "serving.enable_chunked_prefill",
-    "--skip-tokenizer-init": "serving.skip_tokenizer_init",
-    "--speculative-config": "serving.speculative_config",
-    "--limit-mm-per-prompt": "serving.limit_mm_per_prompt",
-    "--allowed-origins": "serving.allowed_origins",
-    "--middleware": "nothing (dspark adds its API guard; vLLM takes one list of middleware)",
-    "--distributed-executor-backend": "nothing (dspark runs vLLM's mp backend on every node)",
-    "--nnodes": "the [[nodes]] list", "-n": "the [[nodes]] list",
-    "--node-rank": "the node's rank", "-r": "the node's rank",
-    "--master-addr": "the head's address", "--master-port": "the head's master_port",
-    "--headless": "the node's rank (every rank but 0 runs headless)",
-    "--shutdown-timeout": "supervisor.drain_s",
-}
-
-
 def owned_flag(arg: str) -> str | None:
-    """The DSPARK_FLAGS option `arg` sets (in any spelling argparse takes), or None."""
+    """The DSPARK_FLAGS option `arg` sets (in any spelling argparse takes), or None. argparse takes
+    `--opt=v`, `--opt_name` (vLLM reads _ as -), an unambiguous abbreviation (`--node-r`),
+    `--opt.key=v` for a JSON option, and `--no-opt` for a switch: each is the same option."""
     if not arg.startswith("-") or arg == "-" or arg[1:2].isdigit():
         return None
     dashes = "--" if arg.startswith("--") else "-"

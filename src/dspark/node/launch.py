@@ -6,11 +6,13 @@ import json
 import math
 import os
 import shlex
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.lines import runtime as runtime_lines
 from dspark.config.validate import ENV_NAME
+from dspark.config.flags import Form, of_form
 from dspark.config.schema import Cluster, NodeConfig
 from dspark.config.secret_policy import redact_args, redact_env
 
@@ -95,40 +97,31 @@ def vllm_argv(cluster: Cluster, node: NodeConfig) -> list[str]:
         "--tensor-parallel-size", str(s.tensor_parallel_size),
         "--pipeline-parallel-size", str(s.pipeline_parallel_size),
     ]
-    optional = [
-        ("--kv-cache-dtype", named["kv_cache_dtype"]),
-        ("--block-size", s.block_size),
-        ("--max-model-len", s.max_model_len),
-        ("--max-num-seqs", s.max_num_seqs),
-        ("--max-num-batched-tokens", s.max_num_batched_tokens),
-        ("--long-prefill-token-threshold", s.long_prefill_token_threshold),
+    # The serving fields' options, in the order of the one table (dspark.config.flags), which the
+    # validator also reads to refuse them in extra_args.
+    value: dict[str, Any] = {
+        # in the line's own names
+        "kv_cache_dtype": named["kv_cache_dtype"], "moe_backend": named["moe_backend"],
         # With speculative decoding the sizes themselves (every multiple of the verify rows per
         # request, config.ServingConfig.capture_sizes); vLLM takes the largest as the maximum.
-        ("--max-cudagraph-capture-size", s.cudagraph_capture_size if s.capture_sizes is None else None),
+        "max_cudagraph_capture_size": s.cudagraph_capture_size if s.capture_sizes is None else None,
+        "cudagraph_capture_sizes": s.capture_sizes,
         # vLLM takes kv_cache_memory_bytes instead of the utilization when both are given;
         # pass only the one that applies so the command line says what happens.
-        ("--kv-cache-memory-bytes", s.kv_cache_memory_bytes),
-        ("--gpu-memory-utilization", None if s.kv_cache_memory_bytes is not None else s.gpu_memory_utilization),
-        ("--load-format", s.load_format),
-        ("--moe-backend", named["moe_backend"]),
-    ]
-    for flag, value in optional:
-        if value is not None:
-            argv += [flag, str(value)]
-    if s.capture_sizes is not None:
-        argv += ["--cudagraph-capture-sizes", *map(str, s.capture_sizes)]
-    for flag, on in (
-        ("--enable-prefix-caching", s.enable_prefix_caching),
-        ("--async-scheduling", s.async_scheduling),
-        ("--enable-chunked-prefill", s.enable_chunked_prefill),
-        ("--skip-tokenizer-init", s.skip_tokenizer_init),
-    ):
-        if on:
-            argv.append(flag)
-    if s.speculative_config:
-        argv += ["--speculative-config", json.dumps(s.speculative_config, separators=(",", ":"))]
-    if s.limit_mm_per_prompt is not None:
-        argv += ["--limit-mm-per-prompt", json.dumps(s.limit_mm_per_prompt, separators=(",", ":"))]
+        "gpu_memory_utilization": None if s.kv_cache_memory_bytes is not None else s.gpu_memory_utilization,
+    }
+    for flag in of_form(Form.VALUE):
+        v = value[flag.attr] if flag.attr in value else getattr(s, flag.attr)
+        if v is not None:
+            argv += [flag.option, str(v)]
+    for flag in of_form(Form.LIST):
+        if value[flag.attr] is not None:
+            argv += [flag.option, *map(str, value[flag.attr])]
+    argv += [flag.option for flag in of_form(Form.SWITCH) if getattr(s, flag.attr)]
+    for flag in of_form(Form.JSON):
+        v = getattr(s, flag.attr)
+        if v if flag.attr == "speculative_config" else v is not None:
+            argv += [flag.option, json.dumps(v, separators=(",", ":"))]
     if node.is_head:
         # vLLM's own key check guards /v1 only, and its CORS default lets every origin in: the
         # key guards every route but /health (API_GUARD), and only the origins the cluster file
