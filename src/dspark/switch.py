@@ -380,7 +380,7 @@ class Switcher:
         except CompareRefused as e:
             text = f"not comparable: {e}\n"
         path = self.state_dir / REPORTS / rec.id / "compare.md"
-        path.write_text(text)
+        state_io.write_atomic(path, text, mode=None)  # the switch's umask (077) makes it 0600
         rec.reports.append(str(path))
         self.say(text.rstrip())
 

@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import re
 import socket
 import typing
@@ -24,6 +23,7 @@ from typing import Any
 
 from dspark import __version__
 from dspark.config.typecheck import fits, words
+from dspark.files import state_io
 
 SCHEMA = "dspark.bench.report"
 SCHEMA_VERSION = 1
@@ -183,10 +183,7 @@ class Report:
     def save(self, path: Path) -> Path:
         """Write atomically (a reader never sees half a file)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
+        state_io.write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n", mode=None)
         return path
 
     @classmethod

@@ -88,11 +88,15 @@ def _naming(path: Path) -> Iterator[None]:
         raise
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
-    """`path` holds `data`, durably, or (on an OSError) is as it was, with no temp file left."""
+def write_atomic(path: str | os.PathLike, data: bytes | str, *, mode: int | None = MODE) -> None:
+    """`path` holds `data`, durably, or (on an OSError) is as it was, with no temp file left.
+
+    A state file (the default) is 0600 and owned by the directory's owner. `mode=None` writes any
+    other file dspark writes whole (a unit file, a bench report, the local model's files): its mode
+    is what the umask leaves of 0666 and its owner the writer, as a plain write would make it."""
     path = Path(path)
     with _naming(path):
-        _write_atomic(path, data.encode() if isinstance(data, str) else data)
+        _write_atomic(path, data.encode() if isinstance(data, str) else data, mode)
 
 
 def _temp_name(name: str) -> str:
@@ -122,17 +126,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _write_atomic(path: Path, body: bytes) -> None:
+def _write_atomic(path: Path, body: bytes, mode: int | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     dfd = _open_dir(path.parent)
     try:
         _sweep(path.name, dfd)
         tmp = _temp_name(path.name)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, MODE, dir_fd=dfd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o666 if mode is None else mode, dir_fd=dfd)
         try:
             try:
-                os.fchmod(fd, MODE)  # whatever the umask
-                _own_like_dir(fd, dfd)
+                if mode is not None:
+                    os.fchmod(fd, mode)  # whatever the umask
+                if mode == MODE:
+                    _own_like_dir(fd, dfd)  # a state file stays the directory owner's, root writing or not
                 view = memoryview(body)
                 while view:
                     view = view[os.write(fd, view):]

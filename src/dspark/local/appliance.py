@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from dspark.files import state_io
 from dspark.node import states as A
 from dspark.config.schema import Cluster, ConfigError, DEFAULT_CONFIG_PATH, GIB, NodeConfig, SupervisorConfig
 from dspark.config.template import dumps
@@ -33,10 +34,10 @@ from dspark.status import LOCAL_HEADER, cli_command
 from dspark.local import model as local_model, vision as local_vision
 from dspark.local.model import TINY_MODEL
 
-WORKER_ADDR = "127.0.0.2"
 if TYPE_CHECKING:
     from dspark.preflight import Host
 
+WORKER_ADDR = "127.0.0.2"
 HEAD_ADDR = "127.0.0.1"
 HEAD_NAME = "local-head"
 WORKER_NAME = "local-worker"  # rank 1; ranks 2.. are local-worker-2, local-worker-3, ...
@@ -245,7 +246,7 @@ def prepare(workdir: Path, ports: LocalPorts = LocalPorts(), compile: bool = Fal
     path = workdir / "cluster.toml"
     what = "two-node appliance" if nodes == 2 else f"{nodes}-node appliance"
     what += ", serving the tiny vision model" if vision else ""
-    path.write_text(f"{LOCAL_HEADER}: the local {what}.\n" + dumps(data))
+    state_io.write_atomic(path, f"{LOCAL_HEADER}: the local {what}.\n" + dumps(data), mode=None)
     return path
 
 

@@ -21,6 +21,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from dspark.files import state_io
+
 # A 2-layer Llama with random weights: enough to run the real engine, the real TP=2
 # collectives and the real HTTP API, small enough to start on two CPU cores. 4 attention
 # and 4 KV heads: tensor parallel 2 and 4 both divide them.
@@ -271,6 +273,4 @@ def write_files(model_dir: Path, files: dict[str, bytes]) -> None:
                 continue
         except OSError:
             pass
-        tmp = path.with_name(f".{name}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        state_io.write_atomic(path, data, mode=None)

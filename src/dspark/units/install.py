@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from dspark.files import state_io
 from dspark.units.names import SYSTEM_UNIT_DIR, SYSUSERS_FILE, USER
 from dspark.units.render import NodeRole, node_dropins, render_units, sysusers
 
@@ -30,11 +31,7 @@ def write_files(files: dict[str, str], out: Path) -> list[Path]:
     written = []
     for rel, text in files.items():
         path = out / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.chmod(0o644)
-        tmp.replace(path)
+        state_io.write_atomic(path, text, mode=0o644)
         written.append(path)
     return written
 
