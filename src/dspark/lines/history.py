@@ -21,15 +21,19 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dspark.lines import state as line_state
 from dspark.files import state_io
 from dspark import log as L
 from dspark.files.safe_read import parse_json
 
-if TYPE_CHECKING:
-    from dspark.config.schema import SupervisorConfig
+
+class _Timings(Protocol):
+    """The supervisor settings a switch's time limit is made of (config.schema.SupervisorConfig)."""
+    ready_timeout_s: float
+    drain_s: float
+    stop_grace_s: float
 
 HISTORY = "switch-history.json"
 MAX_HISTORY_BYTES = 16 << 20  # a record is under 1 KiB: thousands of switches
@@ -133,7 +137,7 @@ def base_id(switch_id: str) -> str:
     return switch_id.removesuffix("-rollback")
 
 
-def timeout_s(sup: SupervisorConfig) -> float:
+def timeout_s(sup: _Timings) -> float:
     """How long a switch (or its rollback) has to serve by default: the supervisor settings'
     ready_timeout_s + drain_s + stop_grace_s + 60 (dspark switch --timeout)."""
     return sup.ready_timeout_s + sup.drain_s + sup.stop_grace_s + 60
