@@ -31,9 +31,12 @@ from dspark.files.safe_read import parse_json
 
 class _Timings(Protocol):
     """The supervisor settings a switch's time limit is made of (config.schema.SupervisorConfig)."""
-    ready_timeout_s: float
-    drain_s: float
-    stop_grace_s: float
+    @property
+    def ready_timeout_s(self) -> float: ...
+    @property
+    def drain_s(self) -> float: ...
+    @property
+    def stop_grace_s(self) -> float: ...
 
 HISTORY = "switch-history.json"
 MAX_HISTORY_BYTES = 16 << 20  # a record is under 1 KiB: thousands of switches
