@@ -61,7 +61,9 @@ let
       lib.elem (lib.removePrefix "${toString ../src}/" (toString path)) [
         "dspark"
         "dspark/__init__.py"
-        "dspark/overlay.py"
+        "dspark/lines"
+        "dspark/lines/__init__.py"
+        "dspark/lines/overlay.py"
       ];
   };
 in
@@ -108,7 +110,7 @@ stdenv.mkDerivation {
   '';
 
   # The JIT caches go where the units point them (TRITON_CACHE_DIR, FLASHINFER_WORKSPACE_BASE,
-  # ... under CacheDirectory=, see src/dspark/unit_render.py); the wrapper only adds the toolchain.
+  # ... under CacheDirectory=, see src/dspark/units/render.py); the wrapper only adds the toolchain.
   postFixup = ''
     for prog in "$out"/bin/*; do
       case "''${prog##*/}" in python | python3) continue ;; esac
