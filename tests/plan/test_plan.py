@@ -1,4 +1,4 @@
-"""The memory fit plan (src/dspark/plan.py)."""
+"""The memory fit plan (src/dspark/plan/)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The plan of a cluster file: which of its settings the plan reads (`dspark plan`, and `dspark
-serve` before it starts vLLM). Formerly dspark/planning.py."""
+serve` before it starts vLLM)."""
 
 from __future__ import annotations
 
