@@ -38,6 +38,7 @@ from dspark.files import state_io
 from dspark.lines import history as H
 from dspark.node import states as S
 from dspark.node.agent_client import agent_state
+from dspark.node.startup import running_line
 from dspark.bench.client import REQUEST_TIMEOUT_S
 from dspark.config.schema import Cluster, ConfigError
 from dspark.files.safe_read import NotRegularFile, describe
@@ -340,7 +341,7 @@ class Switcher:
         except KeyboardInterrupt:
             if rec.verdict != H.RUNNING:
                 raise  # the verdict is in (its rollback was interrupted: recorded there)
-            if line_state.current(self.state_dir, self.file_line).line == current:
+            if running_line(self.cluster, self.state_dir).line == current:  # the head's state: not moved yet
                 rec.verdict, rec.reason = H.NOT_STARTED, "interrupted (Ctrl-C) before the switch"
                 rec.serving_on = current
                 return self._finish(rec)

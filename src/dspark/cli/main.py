@@ -8,11 +8,15 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from dspark.cli.common import config_found, fail, load_cluster, pick_node
 from dspark.cli.options import config_option, node_option
+
+if TYPE_CHECKING:
+    from dspark.config.schema import Cluster, NodeConfig
 
 
 class LazyGroup(click.Group):
@@ -28,10 +32,10 @@ class LazyGroup(click.Group):
                    "failure."),
     }
 
-    def list_commands(self, ctx):
+    def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.lazy))
 
-    def format_commands(self, ctx, formatter):
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """List the lazy commands from their stored help, without importing them."""
         rows = []
         for name in self.list_commands(ctx):
@@ -39,11 +43,12 @@ class LazyGroup(click.Group):
                 rows.append((name, self.lazy[name][2]))
             else:
                 cmd = super().get_command(ctx, name)
+                assert cmd is not None  # listed by the group itself
                 rows.append((name, cmd.get_short_help_str(formatter.width - 6 - len(name))))
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
-    def get_command(self, ctx, name):
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         """A registered command's module, imported now: an ImportError there is a bug and
         surfaces with its traceback; only a name that is not registered is "No such command"."""
         if name in self.lazy:
@@ -166,7 +171,6 @@ def render_cmd(config_path: Path | None, node: str | None, as_json: bool) -> Non
 # failing start then lasts at least this long, so the units' start limit (10 starts in 10 min,
 # unit_render.START_LIMIT) is never reached and the node keeps trying for as long as it takes.
 TRANSIENT_WAIT_S = 120.0
-RESTARTED = "systemd restarts the node, which tries again"
 
 
 @main.command("serve")
@@ -198,90 +202,21 @@ def serve_cmd(config_path: Path | None, node: str | None, state_dir: Path | None
     # while the cluster file and the plan are read, never a traceback.
     signals = SignalQueue().install()
     started = time.monotonic()
-    from dspark.node.policy import EXIT_RETRY
-    from dspark.node.notify import Notifier
-    from dspark.node.policy import EXIT_CONFIG
-    from dspark.node.supervisor import serve
+    from dspark import preflight as P
+    from dspark.node.startup import Refusal, run, startup
 
     cluster = load_cluster(config_path)
     this = pick_node(cluster, node)
-    if state_dir is not None and ":" in str(state_dir):
-        state_dir = Path(str(state_dir).split(":")[0])  # systemd lists several directories with ':'
-    running = _on_current_line(cluster, state_dir)  # the checks and the plan see the line this node runs
-    if this.is_head:  # the API is the head's: a key file it was given must hold a key
-        from dspark.config.credentials import api_key_refusal
-
-        refusal = api_key_refusal()
-        if refusal:
-            fail(refusal, EXIT_CONFIG)
-    from dspark import preflight as P
-
-    notify = Notifier()  # STATUS= and EXTEND_TIMEOUT_USEC= while a start waits (the supervisor has its own)
-    try:
-        if preflight:
-            verdict = P.gate(running, running.node(this.name), say=lambda line: click.echo(line, err=True),
-                             port_wait_s=transient_wait_s, wait=signals.get,
-                             waiting=lambda seconds, line: _waiting(notify, seconds, line))
-            if verdict.signal is not None:
-                _stopped_by(verdict.signal, verdict.refusal or "stopped", EXIT_RETRY)
-            if verdict.refusal and verdict.retry:
-                notify.status(verdict.refusal)
-                fail(f"{verdict.refusal}; exit {EXIT_RETRY}: {RESTARTED}", EXIT_RETRY)
-            if verdict.refusal:
-                fail(verdict.refusal, EXIT_CONFIG)
-            identity = verdict.identity
-        else:
-            identity = P.identity(running)
-        if not skip_plan:
-            from dspark.plan.facts import PlanError
-            from dspark.plan.from_cluster import plan_for_cluster
-
-            try:
-                plan = plan_for_cluster(running)
-            except PlanError as e:
-                fail(f"refusing to start: plan: {e}", EXIT_CONFIG)
-            if not plan.fits:
-                fail("refusing to start: the memory plan does not fit\n" + plan.render_text(), EXIT_CONFIG)
-        try:
-            code = serve(cluster, this, state_dir=state_dir, signals=signals, identity=identity)
-        except OSError as e:  # e.g. the agent's port is taken, the state directory full, vLLM's command not found
-            message, retry = _serve_os_error(e, cluster, this, state_dir)
-            if not retry:
-                fail(message, EXIT_CONFIG)
-            # Not at once: a start that fails within seconds, restarted every RestartSec=, would
-            # reach the units' start limit in a minute and stay down for good.
-            left = started + transient_wait_s - time.monotonic()
-            if left > 0:
-                _waiting(notify, left, f"{message}; exit {EXIT_RETRY} in {left:.0f} s: {RESTARTED}")
-                sig = signals.get(left)
-                if sig is not None:
-                    _stopped_by(sig, message, EXIT_RETRY)
-            fail(f"{message}; exit {EXIT_RETRY}: {RESTARTED}", EXIT_RETRY)
-    finally:
-        notify.close()
+    plan = startup(cluster, this, state_dir=state_dir, signals=signals, say=lambda line: click.echo(line, err=True),
+                   gate=P.gate if preflight else None, identity=P.identity, skip_plan=skip_plan,
+                   transient_wait_s=transient_wait_s, started=started)
+    code = plan if isinstance(plan, Refusal) else run(plan, lambda e: _serve_os_error(e, cluster, this, plan.state_dir))
+    if isinstance(code, Refusal):
+        if code.code == 0:  # a signal stopped the start: a plain line, not an error
+            click.echo(code.message, err=True)
+            sys.exit(0)
+        fail(code.message, code.code)
     sys.exit(code)
-
-
-def _waiting(notify, seconds: float, line: str) -> None:
-    """A start that waits: a warning in the journal, the line as `systemctl status` shows it,
-    and systemd's start timeout kept ahead of the wait."""
-    import logging
-
-    from dspark import log as L
-
-    L.line(logging.WARNING, line, sys.stderr)
-    notify.status(line)
-    notify.extend_timeout(seconds + 30)
-
-
-def _stopped_by(sig: int, why: str, restart_code: int):
-    """A signal ended a wait before the start: SIGTERM and SIGINT stop (exit 0), SIGHUP restarts."""
-    import signal
-
-    if sig == signal.SIGHUP:
-        fail(f"{why}; SIGHUP: restarting", restart_code)
-    click.echo(f"{why}; {signal.Signals(sig).name}: stopped", err=True)
-    sys.exit(0)
 
 
 # errno values that the cluster file or the install must fix: a refusal (2). Every other OSError
@@ -291,7 +226,7 @@ _CONFIG_ERRNOS = frozenset({"ENOENT", "ENOTDIR", "EISDIR", "EACCES", "EPERM", "E
                             "EADDRNOTAVAIL"})
 
 
-def _serve_os_error(e: OSError, cluster, node, state_dir: Path | None) -> tuple[str, bool]:
+def _serve_os_error(e: OSError, cluster: Cluster, node: NodeConfig, state_dir: Path | None) -> tuple[str, bool]:
     """serve()'s OSError in words (what, where, which filesystem), and whether it can clear."""
     import errno
 
@@ -364,19 +299,6 @@ def _bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} TiB"
-
-
-def _on_current_line(cluster, state_dir: Path | None):
-    """The cluster as this node runs it: on the runtime line its state names (dspark switch),
-    else the file's; a line the file no longer installs falls back to the file's (serve says so)."""
-    from dspark.lines import state as line_state
-    from dspark.config.schema import ConfigError
-
-    line = line_state.current(state_dir, cluster.serving.runtime_line).line
-    try:
-        return cluster.on_line(line)
-    except ConfigError:
-        return cluster
 
 
 # ------------------------------------------------------------------------------ clients

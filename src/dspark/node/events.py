@@ -16,7 +16,7 @@ from dspark.node.states import Liveness
 if TYPE_CHECKING:  # a type alone: the policy imports no config parsing
     from dspark.config.schema import SupervisorConfig
 
-# Not an exit code: the run ends to go on at once on another runtime line (dspark.node.supervisor.serve
+# Not an exit code: the run ends to go on at once on another runtime line (dspark.node.startup.serve
 # starts the next run in the same process; `switch_to` names the line).
 EXIT_SWITCH = 75
 PEERS_POLL_S = 1.0  # the peers' agents are polled this often (faster while a head waits for its workers)

@@ -77,7 +77,7 @@ class NodeState:
     # What `dspark check` on a peer compares (dspark.preflight.peer.local_identity): the cluster
     # file's SHA-256, the model directory's fingerprint, vLLM's version and sources' SHA-256.
     identity: dict | None = None
-    # This run goes on in the same process after a runtime-line switch (dspark.node.supervisor.serve):
+    # This run goes on in the same process after a runtime-line switch (dspark.node.startup.serve):
     # its start is recorded as the switch's, not as a restart.
     resumed: bool = False
     # The recent events (EVENT_KINDS), oldest first, at most EVENTS_MAX: {"at", "kind", "detail"}.

@@ -10,6 +10,8 @@ The supervisor wires four parts together and owns the one loop that acts:
   dspark.node.signals       handlers that only queue the signal; the loop waits on that queue, so a
                        signal is acted on at once, whatever a probe is doing
 and speaks sd_notify, serves the node agent and keeps the failure history (restart backoff).
+One Supervisor is one run on one runtime line; dspark.node.startup starts the node and runs
+them (a switch's next run follows in the same process).
 """
 
 from __future__ import annotations
@@ -30,10 +32,9 @@ from dspark.lines import history as switch_history
 from dspark import log as L
 from dspark.node import states as S
 from dspark.node.agent import Agent
-from dspark.config.schema import Cluster, ConfigError, NodeConfig, SupervisorConfig
-from dspark.config.credentials import read_api_key
+from dspark.config.schema import Cluster, NodeConfig, SupervisorConfig
 from dspark.node.liveness import LivenessJudge
-from dspark.node.events import EXIT_SWITCH, Action, ActionKind, Events, History, Limits, Peer, Phase
+from dspark.node.events import Action, ActionKind, Events, History, Limits, Peer, Phase
 from dspark.node.policy import EXIT_DIED, EXIT_OK, NodePolicy
 from dspark.node.notify import Notifier
 from dspark.node.probes import Background, VllmProbes, liveness_round, poll_agents, ready_probe
@@ -241,7 +242,7 @@ class Supervisor:
     def _resolve_abandoned(self) -> None:
         assert self.state_dir is not None  # a head with a state file
         serving = self.state.runtime_line if self.state.state == S.SERVING else None
-        _resolve_abandoned(self.state_dir, self.file_line, self.sup, f"the head ({self.node.name})", serving, self.say)
+        resolve_abandoned(self.state_dir, self.file_line, self.sup, f"the head ({self.node.name})", serving, self.say)
 
     def _events(self, sig: int | None) -> Events:
         ev = Events(signal=sig, vllm_exit=self.vllm.poll(), stage=self.vllm.stage)
@@ -403,7 +404,7 @@ def _starts(state_dir: Path) -> int:
                                max_bytes=MAX_STARTS_BYTES)
 
 
-def _resolve_abandoned(state_dir: Path, file_line: str, sup: SupervisorConfig, by: str, serving_on: str | None,
+def resolve_abandoned(state_dir: Path, file_line: str, sup: SupervisorConfig, by: str, serving_on: str | None,
                        say: Callable[[str, int], None]) -> None:
     """The head's part of dspark.lines.history.resolve_abandoned: what it did (or could not do)
     said as a warning through `say(message, level)`."""
@@ -435,56 +436,3 @@ def _count_start(state_dir: Path | None) -> int:
         pass
     return starts
 
-
-def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
-          signals: SignalQueue | None = None, identity: dict | None = None) -> int:
-    """The body of `dspark serve` (the CLI checks the memory plan first): supervise until
-    stopped. Returns the exit code. `signals`: a queue installed earlier (the CLI installs
-    it first thing, so that no signal is lost while the cluster file is read). `identity`:
-    what the agent reports for a peer's `dspark check` (dspark.preflight.peer.local_identity)."""
-    # The restart backoff only matters where something restarts the node: under systemd.
-    signals = signals or SignalQueue().install()
-    api_key, backoff = read_api_key(), "INVOCATION_ID" in os.environ
-    file_line = cluster.serving.runtime_line
-    if node.is_head and state_dir is not None:  # a switch killed while this head was down: gone on with first
-        _resolve_abandoned(state_dir, file_line, cluster.supervisor, f"the head ({node.name}) at its start", None,
-                           lambda msg, level: L.line(level, f"dspark[{node.name}]: {msg}"))
-    st = line_state.current(state_dir, file_line)
-    line, switching, first = st.line, st.switch is not None, True
-    while True:
-        try:
-            on_line = cluster.on_line(line)
-        except ConfigError as e:
-            if line == file_line:
-                raise
-            # The state names a line this cluster file no longer installs (or a retired one): back
-            # to the file's, and the state says so, or the head's watch of it would switch again.
-            L.line(logging.WARNING,
-                   f"dspark[{node.name}]: {e.problems[0]}; running the cluster file's line {file_line}")
-            line, on_line = file_line, cluster.on_line(file_line)
-            if state_dir is not None:
-                line_state.write(state_dir, line_state.LineState(file_line, file_line))
-        sup = Supervisor(on_line, on_line.node(node.name), state_dir=state_dir, api_key=api_key,
-                         backoff=backoff and first, signals=signals, file_line=file_line, switching=switching,
-                         count_start=first)
-        sup.state.identity = identity
-        code = sup.run()
-        to = sup.policy.switch_to
-        if code != EXIT_SWITCH or not to:
-            return code
-        if node.is_head and state_dir is not None:
-            # The line the head's state names now: a switch interrupted while this run drained for
-            # it (a rollback before the head moved) goes straight back, not through the new line.
-            to = line_state.current(state_dir, file_line).line
-        elif state_dir is not None:
-            # A worker keeps the pair's line, so that it comes back on it after a restart alone.
-            # Not kept (a full or read-only state directory) costs only that: it follows its head.
-            try:
-                line_state.write(state_dir, line_state.LineState(to, file_line))
-            except OSError as e:
-                sup.say(f"cannot keep the pair's runtime line {to} in {state_dir}: {e.strerror}; following the "
-                        f"head onto it all the same (restarted alone, this worker starts on "
-                        f"{line_state.current(state_dir, file_line).line} and follows its head again)",
-                        logging.WARNING)
-        sup.say(f"going on on runtime line {to}")
-        line, switching, first = to, True, False
