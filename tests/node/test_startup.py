@@ -1,11 +1,14 @@
 """`dspark serve`'s one startup path (dspark.node.startup): what ends a start before the
 supervisor (the API key, the memory plan) and what a start is given (the state directory, the
 line this node runs, with the one warning when its state names a line the file cannot run),
-through `startup` itself, on real cluster files and state directories."""
+through `startup` itself, on real cluster files and state directories. And a Supervisor is
+built without touching the host: the RoCE GID is looked up when vLLM is launched."""
 
 from __future__ import annotations
 
+import io
 import sys
+import threading
 import tomllib
 from pathlib import Path
 
@@ -15,9 +18,11 @@ from tests.harness.standin import STANDIN, write_cluster
 from dspark.config import validate as C
 from dspark.config.template import dumps
 from dspark.lines import state as line_state
+from dspark.node import supervisor as supervisor_module
 from dspark.node.policy import EXIT_CONFIG
 from dspark.node.signals import SignalQueue
 from dspark.node.startup import Plan, Refusal, running_line, startup
+from dspark.node.supervisor import Supervisor
 
 A, B = "v0.28.0", "v0.32.0"  # the file's line, and another installed one
 
@@ -91,3 +96,44 @@ def test_the_line_is_the_states_when_installed_else_the_files_with_one_warning(t
     err = capfd.readouterr().err
     assert [ln for ln in err.splitlines() if "not installed" in ln] == [f"dspark[h]: {warning}"], err
     plan.notify.close()
+
+
+def stop(sup: Supervisor) -> None:
+    """As the supervisor's exit does: vLLM's group swept; then its log pipe, read to its end, closed."""
+    sup._stop_vllm("test done", at_once=True)
+    for t in threading.enumerate():
+        if t.name == "vllm-log":
+            t.join(10)
+    assert sup.vllm.proc is not None and sup.vllm.proc.stdout is not None
+    sup.vllm.proc.stdout.close()
+
+
+def test_constructing_a_supervisor_reads_no_gid_the_launch_does(tmp_path, monkeypatch):
+    """`gid_index = "auto"` on an RDMA device: the GID is looked up when vLLM is launched (the
+    index can change across a reboot), and never by the constructor."""
+    calls: list[tuple[str, str]] = []
+
+    def resolver(device: str, address: str, sysfs: Path = Path("/sys/class/infiniband")) -> str | None:
+        calls.append((device, address))
+        return None if len(calls) > 1 else "3"
+
+    monkeypatch.setattr(supervisor_module, "resolve_gid_index", resolver)
+    cluster = cluster_with(tmp_path, rdma_device="rocep1s0f0", gid_index="auto")
+    log = io.StringIO()
+    sup = Supervisor(cluster, cluster.head, env={}, log=log, count_start=False)
+    assert calls == [] and "NCCL_IB_GID_INDEX" not in sup.vllm.launch.env
+    sup._start_vllm()  # the launch step: the stand-in vLLM, a real process
+    try:
+        assert calls == [("rocep1s0f0", "127.0.0.1")]
+        assert sup.vllm.launch.env["NCCL_IB_GID_INDEX"] == "3" and sup.vllm.pid is not None
+    finally:
+        stop(sup)
+    # A second Supervisor (a switch's next run) looks it up again at its launch; none found is said.
+    again = Supervisor(cluster, cluster.head, env={}, log=log, count_start=False)
+    assert len(calls) == 1
+    again._start_vllm()
+    try:
+        assert len(calls) == 2 and "NCCL_IB_GID_INDEX" not in again.vllm.launch.env
+    finally:
+        stop(again)
+    assert "dspark[h]: no RoCE v2 GID for 127.0.0.1 on rocep1s0f0; NCCL picks one" in log.getvalue()

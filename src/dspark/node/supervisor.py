@@ -118,15 +118,11 @@ class Supervisor:
         self.signals = signals if signals is not None else SignalQueue()
         self.history = FailureHistory(state_dir) if backoff and state_dir is not None else None
         self.state_dir = state_dir
-        if launch is None:
-            gid = None
-            if node.gid_index == "auto" and node.rdma_device:
-                gid = resolve_gid_index(node.rdma_device, node.address)
-                if gid is None:
-                    self.say(f"no RoCE v2 GID for {node.address} on {node.rdma_device}; NCCL picks one",
-                             logging.WARNING)
-            launch = render(cluster, node, gid)
-        self.vllm = VllmProcess(launch, dict(os.environ if env is None else env), api_key=api_key)
+        # A RoCE GID of `auto` is looked up when vLLM is launched (_start_vllm), not here: the
+        # constructor touches nothing of the host.
+        self._gid_pending = launch is None and node.gid_index == "auto" and bool(node.rdma_device)
+        self.vllm = VllmProcess(launch if launch is not None else render(cluster, node),
+                                dict(os.environ if env is None else env), api_key=api_key)
         # Probes (and the key) go only to the vLLM this supervisor started: its process group,
         # once it runs (dspark.node.port_owner).
         self.probes = VllmProbes(node.api_url, cluster.model.served_name, api_key, group=lambda: self.vllm.pid)
@@ -314,6 +310,14 @@ class Supervisor:
         return None
 
     def _start_vllm(self) -> None:
+        if self._gid_pending:  # the index can change across a reboot (dspark.node.rdma): read at the launch
+            self._gid_pending = False
+            node = self.node
+            assert node.rdma_device is not None  # _gid_pending says so
+            gid = resolve_gid_index(node.rdma_device, node.address)
+            if gid is None:
+                self.say(f"no RoCE v2 GID for {node.address} on {node.rdma_device}; NCCL picks one", logging.WARNING)
+            self.vllm.launch = render(self.cluster, node, gid)
         self.say("starting vLLM: " + " ".join(self.vllm.launch.redacted_argv()))
         self.vllm.start()
         with self._lock:
