@@ -60,7 +60,8 @@ STEADY = [2.0, 2.02, 1.98, 2.0]
 
 
 def test_a_drop_inside_the_noise_is_marked_within_noise(tmp_path):
-    text = compared(tmp_path, decode_report("before", NOISY, 0.5), decode_report("after", [x * 1.5 for x in NOISY], 0.5))
+    text = compared(tmp_path, decode_report("before", NOISY, 0.5),
+                    decode_report("after", [x * 1.5 for x in NOISY], 0.5))
     agg = rows(text)["aggregate tok/s (tok/s)"]
     assert agg[2] == "-33.3%" and agg[4] == "within noise", agg
     assert re.fullmatch(r"6\.4\d* ± \d+\.\d+", agg[0]) and " ± " in agg[1], agg  # the ± of each run

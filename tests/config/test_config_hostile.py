@@ -56,7 +56,8 @@ def test_every_float_field_is_finite_and_in_range(section, name, value):
     data.setdefault(section, {})[name] = value
     cls = ServingConfig if section == "serving" else SupervisorConfig
     meta = next(f for f in dataclasses.fields(cls) if f.name == name).metadata
-    if value == 0.0 and meta["bounds"][0] == 0 and not meta["positive"]:  # a field whose declared range starts at 0 (drain_s: 0 aborts at once)
+    # a field whose declared range starts at 0 (drain_s: 0 aborts at once)
+    if value == 0.0 and meta["bounds"][0] == 0 and not meta["positive"]:
         assert getattr(getattr(C.from_dict(data, "t.toml"), section), name) == 0.0
         return
     with pytest.raises(ConfigError) as e:

@@ -39,7 +39,7 @@ def test_state_changes_become_events():
     assert kinds(st.events) == ["start", "stage", "stage", "serving", "drain", "stopped"]
     assert st.events[0]["detail"] == "rank 0 of 2; runtime line v0.28.0"
     assert st.events[1]["detail"] == "rendezvous: waiting for w"
-    assert all(a["at"] <= b["at"] for a, b in zip(st.events, st.events[1:]))
+    assert all(a["at"] <= b["at"] for a, b in zip(st.events, st.events[1:], strict=False))
     assert S.event_kind(S.STARTING, "x", restarts=2) == "restart"
     assert S.event_kind(S.STARTING, "x", restarts=2, resumed=True) == "switch"
     assert S.event_kind(S.STARTING, "backoff: 3 failed runs in a row, next start in 20 s") == "backoff"
@@ -168,7 +168,7 @@ def test_a_real_supervisors_timeline(tmp_path, serve):
     assert "serving" in run2 and run2[-2:] == ["drain", "stopped"], k
     assert "draining" in ev[-2]["detail"] and {e["node"] for e in ev} == {"h"}
     assert "lost" not in run2  # a clean stop is not a loss
-    assert all(a["at"] <= b["at"] for a, b in zip(ev, ev[1:]))
+    assert all(a["at"] <= b["at"] for a, b in zip(ev, ev[1:], strict=False))
 
 
 def dataclass_replace(obj, **kw):

@@ -226,7 +226,7 @@ def test_worker_liveness_says_the_head_proves_it(session):
         " return [n.dataset.node, c.textContent, c.title, c.closest('tr').cells[0].textContent]; });")
     head, *workers = cells
     assert head[1].startswith("progress, ") and head[1].endswith(" s ago"), head
-    for name, text, title, label in workers:
+    for name, text, title, _label in workers:
         assert text == "via the head", (name, text)
         assert "head" in title and "every rank" in title, (name, title)
     assert {c[3] for c in cells} == {"alive by"}

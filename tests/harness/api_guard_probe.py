@@ -49,4 +49,5 @@ for r in app.routes:
                 res[who] = f"{type(e).__name__}"
         out.append([m, path, res["none"], res["key"]])
 pre = client.options("/v1/chat/completions", headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
-print("@@" + json.dumps({"routes": out, "cors": pre.headers.get("access-control-allow-origin"), "cors_status": pre.status_code}))
+print("@@" + json.dumps({"routes": out, "cors": pre.headers.get("access-control-allow-origin"),
+                         "cors_status": pre.status_code}))

@@ -250,7 +250,8 @@ def install(box: Container, ports: LocalPorts | None = None, nodes: int = DEFAUL
     # prepare() names vLLM's CLI beside the Python that runs it: the runtime's; each other
     # line's under DSPARK_LINES_DIR (without `lines`, as the caller's environment has it).
     env = {**os.environ, LINES_DIR_ENV: LINES} if lines else None
-    box.run(python, "-c", "import sys; from pathlib import Path; from dspark.local.appliance import prepare, LocalPorts; "
+    box.run(python, "-c", "import sys; from pathlib import Path; "
+            "from dspark.local.appliance import prepare, LocalPorts; "
             f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api={ports.api}, master={ports.master}, "
             f"agent={ports.agent}), nodes={nodes})", timeout=60, check=True, env=env)
     app = Appliance(box, ports, user_note=f"units run as user dspark from {how}", nodes=nodes, dspark=dspark,

@@ -230,7 +230,7 @@ def _remove_cgroup(cg: Path, attempts: int = 50) -> None:
     for _ in range(attempts):
         if not cg.exists():
             return
-        for dirpath, dirnames, _files in os.walk(cg, topdown=False):
+        for dirpath, _dirnames, _files in os.walk(cg, topdown=False):
             d = Path(dirpath)
             try:
                 pids = (d / "cgroup.procs").read_text().split()

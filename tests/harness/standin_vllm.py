@@ -251,7 +251,8 @@ if "--headless" not in argv:
             chunks = [{"choices": [{"index": 0, "text": "x", "finish_reason": None if i < n_out - 1 else "length"}]}
                       for i in range(n_out)]
             chunks.append({"choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out}})
-            self.wfile.write(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n")
+            self.wfile.write(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+                             + b"data: [DONE]\n\n")
 
         def log_message(self, *a):
             pass

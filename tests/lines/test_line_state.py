@@ -66,7 +66,7 @@ def report(*tok_s: float, error: str | None = None) -> Report:
 
     blank = {f.name: None for f in dataclasses.fields(DecodeLevel)}
     levels = [DecodeLevel(**{**blank, "concurrency": c, "requests": 4, "output_tokens": 100, "duration_s": 100 / t,
-                             "aggregate_tok_s": t}) for c, t in zip((1, 4), tok_s)]
+                             "aggregate_tok_s": t}) for c, t in zip((1, 4), tok_s, strict=True)]
     return Report(kind="decode", label="x", server={}, params={}, prompt_set_sha256="", summary=levels, error=error)
 
 

@@ -71,7 +71,8 @@ def test_the_default_line_named_explicitly_renders_the_golden_launch(tmp_path, n
     assert r.exit_code == 0, r.output
     from dspark.node.launch import API_GUARD_DIR  # where this checkout is: a placeholder in the golden
 
-    assert r.output.replace(str(API_GUARD_DIR), "@API_GUARD_DIR@") == (TESTS / "golden" / f"render-{node}.txt").read_text()
+    golden = (TESTS / "golden" / f"render-{node}.txt").read_text()
+    assert r.output.replace(str(API_GUARD_DIR), "@API_GUARD_DIR@") == golden
 
 
 def test_the_v032_line_sends_the_seed_moe_backend_as_upstream_b12x_at_w4a16(tmp_path):

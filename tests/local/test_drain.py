@@ -138,7 +138,8 @@ class Clients:
                           if line.startswith("data: {")]
                 done = text.rstrip().endswith("data: [DONE]")
                 usage = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
-                reasons = [ch["finish_reason"] for c in chunks for ch in c.get("choices", []) if ch.get("finish_reason")]
+                reasons = [ch["finish_reason"] for c in chunks for ch in c.get("choices", [])
+                           if ch.get("finish_reason")]
                 tokens = usage["completion_tokens"] if usage and done else 0
                 self.results[i] = (status, tokens, reasons[-1] if reasons else None)
             else:

@@ -51,7 +51,8 @@ def test_template_lists_tools_and_writes_calls_the_hermes_parser_reads(hf_tokeni
     listed = system.split("<tools>\n", 1)[1].split("</tools>", 1)[0].splitlines()
     assert [json.loads(x) for x in listed] == TOOLS
     assert rest == ("<|user|>\nWeather in Paris?</s>"
-                    '<|assistant|>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call></s>'
+                    '<|assistant|>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                    '\n</tool_call></s>'
                     "<|user|>\n<tool_response>\nsunny\n</tool_response></s><|assistant|>\n")
     # What the template writes is what vLLM's hermes parser reads back.
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest

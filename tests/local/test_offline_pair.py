@@ -67,7 +67,8 @@ with open(sys.argv[1], "a") as log:
         log.write(".".join(labels) + "/" + str(int.from_bytes(q[i + 1:i + 3], "big")) + "\n")
         log.flush()
         # NXDOMAIN: the header with QR and RCODE 3, the question echoed, no answer.
-        s.sendto(data[:2] + bytes([0x81 | (data[2] & 0x01), 0x83]) + data[4:6] + b"\0\0\0\0\0\0" + data[12:12 + i + 5], peer)
+        s.sendto(data[:2] + bytes([0x81 | (data[2] & 0x01), 0x83]) + data[4:6] + b"\0\0\0\0\0\0"
+                 + data[12:12 + i + 5], peer)
 """
 
 CONNECT = re.compile(r"connect\(\d+, \{sa_family=(AF_\w+)(.*?)\}, \d+")
@@ -235,7 +236,8 @@ def test_the_pair_serves_in_an_offline_namespace_without_trying_the_network(tmp_
     # What reached the resolver: only reverse lookups of loopback addresses (torch's c10d looks
     # up the name of each TCPStore peer), never a name to fetch anything from.
     asked = queries.read_text().split() if queries.exists() else []
-    assert all(q.endswith(".127.in-addr.arpa/12") or q.startswith("1.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.ip6")
+    assert all(q.endswith(".127.in-addr.arpa/12")
+               or q.startswith("1.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.ip6")
                for q in asked), asked
 
 

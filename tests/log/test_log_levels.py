@@ -93,7 +93,8 @@ def test_serve_under_the_journal_marks_a_sigkill_escalation_a_warning_and_states
     assert rc == EXIT_OK
     levels = by_level(lines)
     assert levels[4] == ["dspark[h]: vLLM did not exit within 1.5 s; SIGKILL"], lines
-    assert "dspark[h]: starting: rank 0 of 1" in levels[5] and any(x.startswith("dspark[h]: stopped") for x in levels[5]), lines
+    assert "dspark[h]: starting: rank 0 of 1" in levels[5], lines
+    assert any(x.startswith("dspark[h]: stopped") for x in levels[5]), lines
     assert any(x.startswith("dspark[h]: starting vLLM: ") for x in levels[6]), lines
     assert 3 not in levels, lines
     # vLLM's own output is copied as it is: no prefix (journald files it as info)

@@ -1,5 +1,6 @@
-"""The agent's and the dashboard's HTTP servers against clients that misbehave: idle and half-open connections, a flood of them, a refused request's body on a
-keep-alive connection, a token file its group can read. Real servers on loopback."""
+"""The agent's and the dashboard's HTTP servers against clients that misbehave: idle and half-open
+connections, a flood of them, a refused request's body on a keep-alive connection, a token file its
+group can read. Real servers on loopback."""
 
 from __future__ import annotations
 

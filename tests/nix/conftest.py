@@ -72,7 +72,8 @@ def evaluate(nix_instantiate, nixpkgs_lib):
     from tests.nix.nix_support import nix_eval
 
     def run(host_nix: str) -> dict:
-        return nix_eval(nix_instantiate, f"import ./tests/nix/eval.nix {{ libPath = {nixpkgs_lib}; host = {host_nix}; }}")
+        return nix_eval(nix_instantiate,
+                        f"import ./tests/nix/eval.nix {{ libPath = {nixpkgs_lib}; host = {host_nix}; }}")
     return run
 
 

@@ -87,7 +87,8 @@ def probe(nccl: Path, runpath: str, patchelf: str, init: bool, work: Path, pytho
         "nccl_version": next((ln.split()[1] for ln in text.splitlines() if ln.startswith("NCCL_VERSION")), None),
         "init_rc": next((ln.split()[1] for ln in text.splitlines() if ln.startswith("INIT_RC")), None),
         "net_lines": [ln for ln in text.splitlines() if "NET/IB" in ln or "ibverbs" in ln or "MLX5" in ln][:12],
-        "loads": loader_trace(sorted(work.glob("ld.*")), ("libibverbs.so.1", "libibverbs.so", "libmlx5.so.1", "libmlx5.so")),
+        "loads": loader_trace(sorted(work.glob("ld.*")),
+                              ("libibverbs.so.1", "libibverbs.so", "libmlx5.so.1", "libmlx5.so")),
     }
 
 

@@ -88,7 +88,8 @@ def test_nixos_dir_wins_and_override_and_unit_settings_are_kept(tmp_path):
     out = run_wrapper(tmp_path, [nixos, ubuntu], "readlink \"${LD_LIBRARY_PATH%%:*}/libcuda.so.1\"",
                       env={"LD_LIBRARY_PATH": "/opt/keep"})
     assert out.returncode == 0 and Path(out.stdout.strip()).parent == nixos
-    chosen = run_wrapper(tmp_path, [nixos], "readlink \"${LD_LIBRARY_PATH%%:*}/libcuda.so.1\"; echo $LD_LIBRARY_PATH; echo $TRITON_LIBCUDA_PATH",
+    chosen = run_wrapper(tmp_path, [nixos], "readlink \"${LD_LIBRARY_PATH%%:*}/libcuda.so.1\"; "
+                         "echo $LD_LIBRARY_PATH; echo $TRITON_LIBCUDA_PATH",
                          env={"DSPARK_DRIVER_LIB_DIR": str(ubuntu), "LD_LIBRARY_PATH": "/opt/keep",
                               "TRITON_LIBCUDA_PATH": "/set/by/unit"})
     target, ld, triton = chosen.stdout.split()

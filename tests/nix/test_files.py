@@ -112,7 +112,8 @@ def test_flake_has_the_outputs_a_nixos_user_expects(nix_instantiate, nixpkgs_lib
 # `nixos HOST`, that host evaluated with the stand-ins, the module and the shared cluster file.
 TEMPLATE_HOSTS = """\
         hosts = (import ./nix/template/hosts.nix).hosts;
-        fake = name: { type = "derivation"; inherit name; outPath = "/nix/store/00000000000000000000000000000000-${name}"; };
+        fake = name: { type = "derivation"; inherit name;
+                       outPath = "/nix/store/00000000000000000000000000000000-${name}"; };
         nixos = host: lib.evalModules {
           modules = [
             (import ./tests/nix/stand-ins.nix { inherit lib; })

@@ -218,7 +218,8 @@ def test_the_worker_carries_no_credential_it_never_reads(evaluate):
 
 
 @pytest.mark.parametrize("option", ["apiKeyFile", "environmentFile"])
-@pytest.mark.parametrize("value", ['"secrets/dspark-api-key"', "./dspark-api-key", '"/nix/store/00000000000000000000000000000000-dspark-key"'])
+@pytest.mark.parametrize("value", ['"secrets/dspark-api-key"', "./dspark-api-key",
+                                   '"/nix/store/00000000000000000000000000000000-dspark-key"'])
 def test_key_files_must_be_absolute_paths_outside_the_store(evaluate, option, value):
     """A relative path would be read relative to whatever systemd runs in; a path literal would be
     copied into the world-readable store on evaluation; a store path is readable by every user."""

@@ -126,7 +126,8 @@ def flake_eval(nixpkgs_lib: Path, flake_dir: Path, flake_file: str, expr: str) -
     return f"""
       let
         lib = import {nixpkgs_lib};
-        fake = name: {{ type = "derivation"; inherit name; outPath = "/nix/store/00000000000000000000000000000000-${{name}}"; }};
+        fake = name: {{ type = "derivation"; inherit name;
+                        outPath = "/nix/store/00000000000000000000000000000000-${{name}}"; }};
         dspark = (import {REPO}/flake.nix).outputs {{
           self = dspark;
           nixpkgs = {{ inherit lib; legacyPackages = throw "no nixpkgs packages here"; }};
@@ -263,7 +264,8 @@ def test_the_api_on_one_lan_interface_and_the_caches(nix_instantiate, nixpkgs_li
 
 
 def test_the_agenix_recipients_file_names_the_secret_the_head_reads(nix_instantiate, hosts_dir):
-    rules = nix_eval(nix_instantiate, f"builtins.mapAttrs (_: s: s.publicKeys) (import {hosts_dir}/secrets/secrets.nix)")
+    rules = nix_eval(nix_instantiate,
+                     f"builtins.mapAttrs (_: s: s.publicKeys) (import {hosts_dir}/secrets/secrets.nix)")
     assert list(rules) == ["dspark-api-key.age"] and len(rules["dspark-api-key.age"]) == 2
     assert all(k.startswith("ssh-ed25519 ") for k in rules["dspark-api-key.age"])
     assert "../secrets/dspark-api-key.age" in (hosts_dir / "spark-a" / "dspark-key.nix").read_text()
@@ -285,7 +287,8 @@ def test_the_internals_line_switch_snippet_moves_both_hosts(nix_instantiate, nix
 def test_the_runtimes_the_docs_name_are_the_flakes(nix_instantiate):
     """Every `.#runtime...` a document builds is an output of the flake (nix/lines.nix decides
     which lines get one), and docs/runtime-lines.md lists exactly those."""
-    attrs = nix_eval(nix_instantiate, "builtins.attrValues (builtins.mapAttrs (_: l: l.attr) (import ./nix/lines.nix).lines)")
+    attrs = nix_eval(nix_instantiate,
+                     "builtins.attrValues (builtins.mapAttrs (_: l: l.attr) (import ./nix/lines.nix).lines)")
     outputs = {"runtime", *attrs}
     docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     # (`.#runtime-v0.32.0` is quoted as the form that does not work: a dot ends the attribute)

@@ -87,11 +87,12 @@ def test_lines_nix_is_the_data_every_locked_line_with_its_lock_and_series(nix_in
         replay = rr.plan.load_line(line_id)
         assert replay.lock == REPO / line.lock and replay.vllm == line.vllm
         assert [p.name for p in replay.series] == names
-        for patch, path in zip(nix_line["series"], replay.series):
+        for patch, path in zip(nix_line["series"], replay.series, strict=True):
             assert store_name(patch["path"]) == patch["name"] and sha256(patch["path"]) == sha256(path)
         series_file = getattr(line, "series_file", None)  # the series file, where the data names one
         if series_file:
-            assert [sha256(p["path"]) for p in nix_line["series"]] == [sha256(p) for p in read_series(REPO / series_file)]
+            assert ([sha256(p["path"]) for p in nix_line["series"]]
+                    == [sha256(p) for p in read_series(REPO / series_file)])
     # The default line's series is the overlay's own series file, in its order.
     assert [p["name"] for p in out["lines"]["v0.28.0"]["series"]] == [p.name for p in read_series(REPO / "overlay")]
     assert rr.plan.load_line().id == LINES.default
@@ -159,7 +160,8 @@ def test_the_flake_has_one_runtime_per_line_and_runtime_stays_the_default(nix_in
 def test_the_overlay_gives_every_lines_runtime(nix_instantiate, stub):
     out = nix_eval(nix_instantiate, f"""
       let
-        flake = (import ./flake.nix).outputs {{ self = flake; nixpkgs = {{ lib = import (import {stub}/lib-path.nix); }}; }};
+        flake = (import ./flake.nix).outputs {{
+          self = flake; nixpkgs = {{ lib = import (import {stub}/lib-path.nix); }}; }};
         pkgs = import {stub} {{ config.allowUnfree = true; overlays = [ flake.overlays.default ]; }};
       in {{
         default = pkgs.dspark-runtime.name;

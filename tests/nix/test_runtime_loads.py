@@ -128,7 +128,8 @@ def test_a_dlopen_resolves_through_the_directory_of_a_resolved_needed(tmp_path):
     assert check.resolved == ["c/libuser.so: libsib.so.1 -> a"]
     assert check.unresolved == ["c/libuser.so: libfar.so.1"]
     listed = copy.deepcopy(BUILD)
-    listed.setdefault("dlopen_absent", []).append({"sonames": ["libfar.so.1"], "objects": ["/libother.so"], "why": "test"})
+    listed.setdefault("dlopen_absent", []).append({"sonames": ["libfar.so.1"], "objects": ["/libother.so"],
+                                                   "why": "test"})
     check = rr.checks.check_runtime_loads([user], prefix, listed, machine=HOST_MACHINE)
     assert check.unresolved == ["c/libuser.so: libfar.so.1"]
     listed["dlopen_absent"][-1]["objects"] = ["/libuser.so"]

@@ -20,7 +20,8 @@ BUILD = json.loads((REPO / "nix/runtime-build.json").read_text())
 def test_flake_pin_refuses_the_unfree_runtime_and_the_flake_allows_it(nix_instantiate, stub):
     # Before: packages.runtime was callPackage'd from nixpkgs.legacyPackages, which refuses it.
     with pytest.raises(NixError, match="unfree license"):
-        nix_eval(nix_instantiate, flake_with_stub(stub) + " (nixpkgs.legacyPackages.aarch64-linux.callPackage ./nix/runtime.nix { }).outPath")
+        nix_eval(nix_instantiate, flake_with_stub(stub)
+                 + " (nixpkgs.legacyPackages.aarch64-linux.callPackage ./nix/runtime.nix { }).outPath")
     out = nix_eval(nix_instantiate, flake_with_stub(stub) + """ {
         runtime = outputs.packages.aarch64-linux.runtime.name;
         license = outputs.packages.aarch64-linux.runtime.meta.license.free;
@@ -49,7 +50,7 @@ def test_runtime_is_driven_by_the_build_data(nix_instantiate, stub):
     # One installer run per locked wheel, in the lock's order, with the venv's python.
     lines = [ln.strip() for ln in install.splitlines() if " -m installer " in ln]
     assert len(lines) == len(LOCK["packages"])
-    for line, p in zip(lines, LOCK["packages"]):
+    for line, p in zip(lines, LOCK["packages"], strict=True):
         assert line.startswith('PYTHONPATH=/nix/store/00000000000000000000000000000000-python3.12-installer-0.7.0/'
                                'lib/python3.12/site-packages "$out/bin/python" -m installer')
         assert line.endswith(f'--prefix "$out" /nix/store/00000000000000000000000000000000-{p["filename"]}')
@@ -59,7 +60,8 @@ def test_runtime_is_driven_by_the_build_data(nix_instantiate, stub):
     assert install.count("rm -- ") == sum(len(r["paths"]) for r in BUILD["remove_after_install"])
     # A venv: pyvenv.cfg beside bin/, bin/python a link to the store's interpreter.
     assert "home = /nix/store/00000000000000000000000000000000-python3-3.12.11/bin" in install
-    assert 'ln -s /nix/store/00000000000000000000000000000000-python3-3.12.11/bin/python3.12 "$out/bin/python"' in install
+    assert ('ln -s /nix/store/00000000000000000000000000000000-python3-3.12.11/bin/python3.12 '
+            '"$out/bin/python"') in install
 
 
 def test_wrappers_carry_the_toolchain_and_find_the_driver_without_pythonpath(nix_instantiate, stub):

@@ -80,7 +80,7 @@ def test_saturation_for_longer_than_three_liveness_windows_loses_nothing(local_p
                 reads[node] += 1
             except OSError:  # a read timed out (TimeoutError, URLError)
                 pass
-        for node, st in states.items():
+        for st in states.values():
             assert st["state"] == "serving", st          # never declared dead while busy
         if "local-head" in states:
             proofs.add((states["local-head"]["liveness"] or {}).get("proof"))

@@ -117,7 +117,7 @@ def test_v41_engram_heads_tile_the_tables_and_split_by_heads():
         fullest = engram_rows_per_rank(cfg, tp)
         average = [math.ceil(n / tp) for n in cfg["engram_num_embeddings"]]
         # the fullest rank holds a few thousand rows more than the even split dspark's rule counts
-        assert all(0 <= f - a < 10_000 for f, a in zip(fullest, average))
+        assert all(0 <= f - a < 10_000 for f, a in zip(fullest, average, strict=True))
 
 
 def test_v41_config_is_flattened_as_vllm_reads_it():
@@ -239,7 +239,8 @@ def test_docs_show_what_the_v41_plan_prints(tmp_path):
 
     from tests.harness.docs_text import docs_text
 
-    block = re.search(r"```\n\$ dspark plan --published --model deepseek-v4.1-flash --nodes 4\n(.*?)```", docs_text(), re.S)
+    block = re.search(r"```\n\$ dspark plan --published --model deepseek-v4.1-flash --nodes 4\n(.*?)```",
+                      docs_text(), re.S)
     assert block, "docs/: no '$ dspark plan --published --model deepseek-v4.1-flash --nodes 4' block"
     r = invoke_dspark("plan", "--published", "--model", "deepseek-v4.1-flash", "--nodes", "4", env=NO_CONFIG,
                       cwd=tmp_path)

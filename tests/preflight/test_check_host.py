@@ -149,7 +149,7 @@ def model(tmp_path: Path, total: int | None = None) -> Path:
     weight_map, size = {}, 0
     for shard, tensors in TENSORS.items():
         write_header_only_shard(d / shard, tensors)
-        for name, dtype, shape in tensors:
+        for name, _dtype, _shape in tensors:
             weight_map[name] = shard
     size = 64 * 32 * 2 + 16 * 4 + 128 * 32 * 2
     (d / M.INDEX).write_text(json.dumps({"metadata": {"total_size": size if total is None else total},

@@ -32,7 +32,8 @@ NOT_HERE = {
     "nix": "needs nixpkgs, which cannot be fetched here (README: What was built and evaluated)",
     "python3": "the runtime lock and replay: minutes and 4 GB of wheels (tests/nix covers them where cached)",
     "/tmp/lockenv/bin/python": "the runtime lock (needs the network)",
-    ".venv/bin/vllm": "vllm bench serve: tests/local/test_local_model.py runs it against the pair with the local model's tokenizer",
+    ".venv/bin/vllm": "vllm bench serve: tests/local/test_local_model.py runs it against the pair "
+                      "with the local model's tokenizer",
     "hf": "downloads the 155 GiB checkpoint (docs/nixos.md)",
     "openssl": "makes an API key and encrypts it with agenix, which is not installed here "
                "(tests/nix/test_nixos_doc_snippets.py evaluates the files it goes with)",

@@ -38,7 +38,8 @@ from dspark.local.appliance import HEAD_NAME, WORKER_NAME
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}"),
               pytest.mark.skipif(not (CHECKOUT_LINES / B / "bin" / "vllm").exists(),
-                                 reason=f"runtime line {B} is not installed ({CHECKOUT_LINES / B}); .ci/setup installs it")]
+                                 reason=f"runtime line {B} is not installed ({CHECKOUT_LINES / B}); "
+                                        ".ci/setup installs it")]
 
 START_S = 600      # a pair start on a loaded 2-core machine (about 50 s when idle)
 SWITCH_S = 2 * START_S + 120  # one `dspark switch --no-bench --timeout START_S`: at most a wait for the new
@@ -129,7 +130,7 @@ def test_the_node_units_are_hardened_and_the_pair_serves_under_them(app: Applian
         assert float(level.group(1)) <= EXPOSURE_MAX, out.stdout
         pid = app.box.show(unit, "MainPID")["MainPID"]
 
-        def proc(name: str) -> str:
+        def proc(name: str, pid=pid) -> str:
             return app.box.run("cat", f"/proc/{pid}/{name}", timeout=30, check=True).stdout
 
         assert re.search(r"^Seccomp:\s+2$", proc("status"), re.M), proc("status")  # SystemCallFilter= filters
@@ -171,7 +172,8 @@ def test_switch_to_the_second_line_is_kept_inside_the_running_units(app: Applian
                     f"{CLUSTER_DIR}/cluster.toml", "--state-dir", STATE_DIR, timeout=SWITCH_S)
     out = r.stdout + r.stderr
     with open(ARTIFACTS / "switch-systemd.log", "a") as f:
-        f.write(f"$ dspark switch {B} --no-bench --timeout {START_S} --config {CLUSTER_DIR}/cluster.toml --state-dir {STATE_DIR}"
+        f.write(f"$ dspark switch {B} --no-bench --timeout {START_S} --config {CLUSTER_DIR}/cluster.toml "
+                f"--state-dir {STATE_DIR}"
                 f"  # exit {r.returncode}, {time.monotonic() - t0:.0f} s\n{out}\n")
     assert r.returncode == 0, out + app.diagnose()
     assert f"verdict: kept {B}" in out and "Traceback" not in out, out

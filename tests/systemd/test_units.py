@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dspark.units.names import DASHBOARD, HEAD, LOCAL_PAIR_DROPIN, NODE_DROPIN, READY_TARGET, SYSTEM_UNIT_DIR, SYSUSERS_FILE, UNIT_NAMES, WAIT_WORKER, WORKER, WORKER_TEMPLATE
-from dspark.units.render import NodeRole, START_LIMIT, START_TIMEOUT, WATCHDOG_S, exec_quote, node_dropins, node_units, render_units
+from dspark.units.names import (DASHBOARD, HEAD, LOCAL_PAIR_DROPIN, NODE_DROPIN, READY_TARGET, SYSTEM_UNIT_DIR,
+                                SYSUSERS_FILE, UNIT_NAMES, WAIT_WORKER, WORKER, WORKER_TEMPLATE)
+from dspark.units.render import (NodeRole, START_LIMIT, START_TIMEOUT, WATCHDOG_S, exec_quote, node_dropins,
+                                 node_units, render_units)
 from dspark.config.schema import SupervisorConfig
 from dspark.local.appliance import LocalPorts, prepare
 from dspark.node.policy import BACKOFF_MAX_S, backoff_delay
@@ -230,8 +232,9 @@ def test_install_of_a_ring_host_runs_each_worker_as_an_instance(tmp_path, ring_f
     unit_dir, r = install_ring(tmp_path, ring_file, *RING)
     assert r.returncode == 0, r.stderr
     # The hint starts the workers first, then the head.
-    assert r.stdout.splitlines()[-1].startswith("next: systemctl start " + " ".join(RING_WORKERS) + " dspark-head.service")
-    for name, unit in zip(RING[1:], RING_WORKERS):
+    assert r.stdout.splitlines()[-1].startswith("next: systemctl start " + " ".join(RING_WORKERS)
+                                                + " dspark-head.service")
+    for name, unit in zip(RING[1:], RING_WORKERS, strict=True):
         node = settings((unit_dir / f"{unit}.d" / NODE_DROPIN).read_text())
         assert node["Environment"] == [f"DSPARK_NODE={name}", f"DSPARK_CONFIG={ring_file}"]
         assert settings((unit_dir / f"{unit}.d" / LOCAL_PAIR_DROPIN).read_text()) == {
