@@ -79,7 +79,7 @@ def check_per_request_rows(m, device):
 def check_uniform_rows_match_the_host_plan(m, device):
     for reqs, q_len, width in ((1, 5, 6), (2, 5, 6), (12, 5, 6), (3, 2, 6), (4, 7, 8)):
         src, keep = m.uniform_rows(reqs, q_len, width, torch.device(device))
-        want_src, want_keep, _ = m.per_request_rows([q_len] * reqs, lambda n: width)
+        want_src, want_keep, _ = m.per_request_rows([q_len] * reqs, lambda n, width=width: width)
         assert src.device.type == device and keep.device.type == device
         assert src.tolist() == want_src and keep.tolist() == want_keep, (reqs, q_len)
 
@@ -100,11 +100,11 @@ def check_padded_rows_same_output(m, device):
         want = torch.zeros(real, heads, dim, device=device, dtype=torch.bfloat16)
         _reference_sparse_attention(out=want, query=q, sparse_indices=idx,
                                     swa_topk_lens=tlens, kv=kv)
-        src, keep, padded = m.per_request_rows(lens, lambda n: align(n, sm12x=True))
+        src, keep, padded = m.per_request_rows(lens, lambda n, align=align: align(n, sm12x=True))
         seen = []
 
-        def call(**kw):
-            seen.append(kw["query"].shape[0])
+        def call(_seen=seen, **kw):
+            _seen.append(kw["query"].shape[0])
             return _reference_sparse_attention(**kw)
 
         got = torch.full_like(want, float("nan"))

@@ -72,9 +72,9 @@ def _stub_signature(args: ast.arguments, drop_self: bool) -> inspect.Signature:
             return _Default(ast.unparse(node))
 
     positional = [*args.posonlyargs, *args.args]
-    for arg, default in zip(positional[len(positional) - len(args.defaults):], args.defaults):
+    for arg, default in zip(positional[len(positional) - len(args.defaults):], args.defaults, strict=True):
         defaults[arg.arg] = value(default)
-    for arg, default in zip(args.kwonlyargs, args.kw_defaults):
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
         if default is not None:
             defaults[arg.arg] = value(default)
     params = []

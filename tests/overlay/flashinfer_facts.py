@@ -139,13 +139,13 @@ def signature_from_source(path: Path, name: str) -> inspect.Signature:
 
     positional = a.posonlyargs + a.args
     pos_defaults = [inspect.Parameter.empty] * (len(positional) - len(a.defaults)) + [default(d) for d in a.defaults]
-    for i, (arg, d) in enumerate(zip(positional, pos_defaults)):
+    for i, (arg, d) in enumerate(zip(positional, pos_defaults, strict=True)):
         kind = (inspect.Parameter.POSITIONAL_ONLY if i < len(a.posonlyargs)
                 else inspect.Parameter.POSITIONAL_OR_KEYWORD)
         params.append(inspect.Parameter(arg.arg, kind, default=d))
     if a.vararg:
         params.append(inspect.Parameter(a.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
-    for arg, d in zip(a.kwonlyargs, a.kw_defaults):
+    for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True):
         params.append(inspect.Parameter(arg.arg, inspect.Parameter.KEYWORD_ONLY,
                                         default=inspect.Parameter.empty if d is None else default(d)))
     if a.kwarg:

@@ -2,8 +2,9 @@
 the format the seed's nvfp4_ds_mla is sent as on the v0.32.0 line (0002 is not carried).
 
 Run in the line's own Python with a stock (or the line-patched) vLLM 0.32.0 tree first on PYTHONPATH:
-``python fp8_ds_mla_checks.py SITE`` (tests/overlay/test_line_v032.py does). Prints one JSON object after @@RESULTS@@: check name -> "ok"
-or the failure's traceback (tensor_checks.run_all, as line032_checks.py does).
+``python fp8_ds_mla_checks.py SITE`` (tests/overlay/test_line_v032.py does). Prints one JSON object
+after @@RESULTS@@: check name -> "ok" or the failure's traceback (tensor_checks.run_all, as
+line032_checks.py does).
 
 What 0.32.0 gives, against the v0.28.0 line's nvfp4_ds_mla (0002: the same 584-byte token, pages
 unpadded at alignment 584):

@@ -420,7 +420,7 @@ def check_group_pages_disjoint(layers: Layers) -> list[str]:
                 start = offset + b * (block_stride or 0)
                 spans.append((start, start + page, f"{name} block {b}"))
         spans.sort()
-        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:], strict=False):
             if b0 < a1:
                 problems.append(f"{an} [{a0},{a1}) overlaps {bn} [{b0},{b1})")
     return problems
@@ -727,7 +727,7 @@ def _common(reqs, *, causal=True, prefilling=True, pad_reqs=0, pad_tokens=0):
     for n in q:
         qsl.append(qsl[-1] + n)
     tokens = qsl[-1] + pad_tokens
-    positions = [p for n, s in zip(q, seq) for p in range(s - n, s)] + [0] * pad_tokens
+    positions = [p for n, s in zip(q, seq, strict=True) for p in range(s - n, s)] + [0] * pad_tokens
     qsl_t = torch.tensor(qsl, dtype=torch.int32)
     return CommonAttentionMetadata(
         query_start_loc=qsl_t, query_start_loc_cpu=qsl_t.clone(),
@@ -824,7 +824,7 @@ def _step(layers: Layers, builders: dict, recorder: Recorder, layer, cm):
     finally:
         del layer._forward_decode, layer._forward_prefill
     launches = [[path, call["tokens"]] for path, call in
-                zip(recorder.paths[before:], recorder.calls[before:])]
+                zip(recorder.paths[before:], recorder.calls[before:], strict=True)]
     return launches, splits
 
 

@@ -82,7 +82,7 @@ def grid(request, tmp_path_factory) -> tuple[str, list[dict], list[dict]]:
 
 def _of(grid, kind):
     _, todo, got = grid
-    return [(c, g) for c, g in zip(todo, got) if c["kind"] == kind]
+    return [(c, g) for c, g in zip(todo, got, strict=True) if c["kind"] == kind]
 
 
 def test_every_verify_and_draft_batch_replays_a_full_graph_of_its_own_size(grid):
@@ -126,7 +126,7 @@ def test_dsparks_model_is_vllms_dispatch(grid):
     for every batch of every case, vLLM's mode and padded tokens."""
     vllm, todo, got = grid
     wrong = []
-    for case, real in zip(todo, got):
+    for case, real in zip(todo, got, strict=True):
         sizes = G.vllm_sizes(case["sizes"], case["max"], max_num_seqs=case["S"],
                              max_num_batched_tokens=case["mnbt"])
         assert sizes == real["sizes"], case
@@ -137,8 +137,10 @@ def test_dsparks_model_is_vllms_dispatch(grid):
                 wrong.append((case["kind"], case["S"], case["k"], role))
     assert not wrong, f"{len(wrong)} cases differ, e.g. {wrong[:10]}"
     # The proof covers every outcome: exact, padded FULL, PIECEWISE and NONE.
-    seen = {(m, t == (n + 1) * (c["k"] + 1)) for c, g in zip(todo, got) for n, (m, t) in enumerate(g["target"])}
-    seen |= {(m, t == (n + 1) * c["k"]) for c, g in zip(todo, got) for n, (m, t) in enumerate(g["draft"])}
+    seen = {(m, t == (n + 1) * (c["k"] + 1))
+            for c, g in zip(todo, got, strict=True) for n, (m, t) in enumerate(g["target"])}
+    seen |= {(m, t == (n + 1) * c["k"])
+             for c, g in zip(todo, got, strict=True) for n, (m, t) in enumerate(g["draft"])}
     assert {("FULL", True), ("FULL", False), ("NONE", True)} <= seen, seen
     if vllm == "0.28.0":
         assert any(m == "PIECEWISE" for m, _ in seen), seen
@@ -149,7 +151,7 @@ def test_the_tools_grid_report(grid):
     points had every draft batch FULL and none had all of them exact; now all 448 are exact."""
     tool = _tool()
     _, todo, got = grid
-    mine = [(c, g) for c, g in zip(todo, got) if c["kind"] in ("now", "before")]
+    mine = [(c, g) for c, g in zip(todo, got, strict=True) if c["kind"] in ("now", "before")]
     result = {"line": "x", "cases": [c for c, _ in mine], "results": [g for _, g in mine]}
     summary = tool.grid_summary(result)
     assert summary["before"]["draft"] == {"exact": 0, "padded": 336, "eager": 112}, summary

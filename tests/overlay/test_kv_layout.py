@@ -73,7 +73,8 @@ def test_c128a_widths_reach_flashinfer_unpadded(layout_results):
     for max_len in LENS:
         seen = json.loads(layout_results[f"nvfp4_ds_mla max_model_len={max_len}: widths seen"])
         extra = {w[2] for w in seen if w[2] is not None}
-        c128a = -(-(-(-max_len // 128)) // 128) * 128
+        blocks = -(-max_len // 128)  # cdiv(max_len, 128)
+        c128a = -(-blocks // 128) * 128  # round_up(blocks, 128)
         assert c128a in extra and 512 in extra, (max_len, seen)
 
 

@@ -276,7 +276,8 @@ def test_the_dspark_width_and_the_c128a_widths_reach_flashinfer_unpadded_on_032(
     for max_len in LENS_032:
         seen = json.loads(layout_032[f"{DTYPE} max_model_len={max_len}: widths seen"])
         assert [True, 192, None] in seen and not any(w[1] == 512 for w in seen), seen
-        c128a = -(-(-(-max_len // 128)) // 128) * 128
+        blocks = -(-max_len // 128)  # cdiv(max_len, 128)
+        c128a = -(-blocks // 128) * 128  # round_up(blocks, 128)
         assert c128a in {w[2] for w in seen if w[2] is not None}, (max_len, seen)
 
 

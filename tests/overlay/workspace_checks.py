@@ -102,14 +102,17 @@ def run(cache_dtype: str) -> dict[str, str]:
     flashinfer_sparse.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 = recorder
     flashinfer_sparse.compute_global_topk_indices_and_lens = K._global_topk_stand_in
     A = flashinfer_sparse.DeepseekV4FlashInferSM120Attention
-    for name in ("_forward_decode", "_forward_prefill"):  # the real methods, with the phase noted
-        def phased(self, *args, _real=getattr(A, name), _phase=name[len("_forward_"):], **kwargs):
-            recorder.phase = _phase
+    def phased(real, phase):
+        def wrapped(self, *args, **kwargs):
+            recorder.phase = phase
             try:
-                return _real(self, *args, **kwargs)
+                return real(self, *args, **kwargs)
             finally:
                 recorder.phase = ""
-        setattr(A, name, phased)
+        return wrapped
+
+    for name in ("_forward_decode", "_forward_prefill"):  # the real methods, with the phase noted
+        setattr(A, name, phased(getattr(A, name), name[len("_forward_"):]))
 
     results: dict[str, str] = {"cache dtype": cache_dtype}
     with tempfile.TemporaryDirectory() as tmp:
