@@ -16,7 +16,7 @@ import time
 import pytest
 
 from dspark.node.states import LOADING, NodeState, SERVING, STOPPED
-from dspark.dashboard.snapshot_model import Liveness
+from dspark.node.states import Liveness
 from dspark.node import agent as A
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from dspark.node.states import NodeState, SERVING
-from dspark.dashboard.snapshot_model import Liveness
+from dspark.node.states import Liveness
 from dspark.node import agent as A
 from dspark.engine import facts as F
 from dspark.dashboard import collector as C
