@@ -29,13 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
-
-from tests.harness.pair import start_pair  # noqa: E402  (`dspark local up` on free loopback ports)
-
 from dspark.bench import decode, prompts  # noqa: E402
 from dspark.bench.client import Target, describe, scrape  # noqa: E402
-from dspark.engine.metrics import window  # noqa: E402
 from dspark.engine import facts as F  # noqa: E402
+from dspark.engine.metrics import window  # noqa: E402
+from tests.harness.pair import start_pair  # noqa: E402  (`dspark local up` on free loopback ports)
 
 HASH_SEED = "0"        # PYTHONHASHSEED of both the prompt derivation and `vllm bench serve`
 CHUNK = 16             # timed_trace: tokens per hash id

@@ -78,7 +78,7 @@ class DecodeLoad:
                 self.failed += 1
                 self.stop_event.wait(1.0)
 
-    def start(self) -> "DecodeLoad":
+    def start(self) -> DecodeLoad:
         for t in self.threads:
             t.start()
         return self

@@ -33,11 +33,9 @@ import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-
+from dspark.local.appliance import HEAD_NAME, SERVED_NAME, node_name  # noqa: E402
 from tests.harness.appliance import Appliance, install  # noqa: E402
 from tests.harness.nspawn_container import Container, missing_requirements  # noqa: E402
-
-from dspark.local.appliance import HEAD_NAME, SERVED_NAME, node_name  # noqa: E402
 from tests.harness.pair import node_counts_arg  # noqa: E402
 
 COMPLETED, HTTP_ERROR, CONN_ERROR, HUNG, DROPPED = "completed", "http_error", "connection_error", "hung", "dropped"

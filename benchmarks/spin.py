@@ -45,9 +45,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from tests.harness.pair import kill_leftovers, start_pair  # noqa: E402  (shared with the tests)
-
 from dspark.local import appliance as L  # noqa: E402
+from tests.harness.pair import kill_leftovers, start_pair  # noqa: E402  (shared with the tests)
 
 ENV = "VLLM_SHM_BROADCAST_BUSY_LOOP_S"
 VARIANTS = (("stock 1 s", {ENV: "1"}), ("patched (default 0.002 s)", {}))
@@ -143,7 +142,7 @@ class ThreadSampler:
         while not self._stop.wait(self.interval):  # bounded by stop()
             self.samples.append((time.monotonic(), self._snapshot()))
 
-    def __enter__(self) -> "ThreadSampler":
+    def __enter__(self) -> ThreadSampler:
         self._thread.start()
         return self
 
@@ -211,7 +210,7 @@ class GapDumper:
                                f"{r.stdout}{r.stderr}")
                 self.dumps.append((last, "".join(out)))
 
-    def __enter__(self) -> "GapDumper":
+    def __enter__(self) -> GapDumper:
         self._thread.start()
         return self
 

@@ -34,13 +34,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-
-from tests.harness.pair import node_counts_arg, pick_ports  # noqa: E402  (shared with the tests)
-
 from dspark.config import validate as C  # noqa: E402
 from dspark.local import appliance as L  # noqa: E402
-from dspark.node.notify import child_env  # noqa: E402
 from dspark.node.launch import render  # noqa: E402
+from dspark.node.notify import child_env  # noqa: E402
+from tests.harness.pair import node_counts_arg, pick_ports  # noqa: E402  (shared with the tests)
 
 TIMEOUT_S = 900
 
@@ -155,7 +153,7 @@ def supervised(workdir: Path, nodes: int) -> tuple[float, float, float]:
                 raise RuntimeError("a supervisor exited")
             try:
                 msg = sock.recv(4096).decode()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             if msg.startswith("READY=1"):
                 t_ready = time.monotonic()

@@ -38,9 +38,9 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.markers import Marker
 from packaging.requirements import Requirement
+from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 HERE = Path(__file__).resolve().parent

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dspark.engine import facts as F
 from dspark.config.schema import Cluster, NodeConfig
+from dspark.engine import facts as F
 from dspark.node.states import FAILED, SERVING, STARTING, STATES, STOPPED, STOPPING
 
 # The two scrape jobs; the dashboard's queries select them by these names.

@@ -7,16 +7,17 @@ import math
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeGuard
+from typing import Any, TypeGuard
 
-from dspark.node import states as A
-from dspark.lines import runtime as runtime_lines
-from dspark.units import names as U
-from dspark.node.agent_client import AgentAnswer, agent_state, fetch_state  # the one client of the agents (re-exported)
-from dspark.engine import facts as vllm_facts
 from dspark.config.schema import Cluster
+from dspark.engine import facts as vllm_facts
+from dspark.lines import runtime as runtime_lines
 from dspark.net.http import HTTPFailure, get_object, request
+from dspark.node import states as A
+from dspark.node.agent_client import AgentAnswer, agent_state, fetch_state  # the one client of the agents (re-exported)
+from dspark.units import names as U
 
 WORKER_READY_STATES = (A.RENDEZVOUS, A.SERVING)
 # The first line of a cluster file `dspark local up` wrote (dspark.local.appliance.prepare): status tells

@@ -29,20 +29,21 @@ import fcntl
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Callable, cast
+from typing import TYPE_CHECKING, BinaryIO, cast
 
-from dspark.lines import state as line_state
+from dspark.bench.client import REQUEST_TIMEOUT_S
+from dspark.config.schema import Cluster, ConfigError
 from dspark.files import state_io
+from dspark.files.safe_read import NotRegularFile, describe
 from dspark.lines import history as H
+from dspark.lines import state as line_state
+from dspark.lines.history import Record
 from dspark.node import states as S
 from dspark.node.agent_client import agent_state
 from dspark.node.startup import running_line
-from dspark.bench.client import REQUEST_TIMEOUT_S
-from dspark.config.schema import Cluster, ConfigError
-from dspark.files.safe_read import NotRegularFile, describe
-from dspark.lines.history import Record
 
 if TYPE_CHECKING:
     from dspark.bench.report import Report

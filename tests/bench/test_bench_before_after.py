@@ -6,9 +6,8 @@ first one left. Small lengths: the shared local pair is a CPU one."""
 
 from __future__ import annotations
 
-from tests.harness.pair import run_dspark
-
 from dspark.bench.report import Report
+from tests.harness.pair import run_dspark
 
 
 def test_before_and_after_on_one_running_pair_compare(local_pair, tmp_path):

@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
-from tests.harness.dspark_cli import invoke_dspark
 from dspark.bench import prefill
 from dspark.bench.client import BenchError, Target
+from tests.harness.dspark_cli import invoke_dspark
 
 
 def test_unreachable_server_is_one_clear_line(tmp_path):
@@ -50,9 +50,9 @@ def test_the_options_defaults_are_the_specs(command, spec):
 
     import click
 
-    from dspark.cli import bench as bench_cli
     from dspark.bench import decode, prefill
     from dspark.bench.client import Target
+    from dspark.cli import bench as bench_cli
 
     cls = getattr(decode if command == "decode" else prefill, spec)
     options = [p for p in bench_cli.bench.commands[command].params if isinstance(p, click.Option)]

@@ -53,7 +53,6 @@ def test_decode_plot_says_the_workload_and_the_samples_behind_each_percentile(tm
 
 def test_prefill_plot_says_trials_per_length(tmp_path):
     from dspark.bench import plot
-
     from tests.bench.test_bench_units import make_report
 
     texts = figure_texts(plot.figure(make_report()))

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from dspark.bench.report import paths
-from tests.harness.hostile import HostileServer, answer, endless, send
-from tests.harness.dspark_cli import invoke_dspark
-from tests.harness.pair import run_dspark
 from tests.bench.test_bench_units import make_report
+from tests.harness.dspark_cli import invoke_dspark
+from tests.harness.hostile import HostileServer, answer, endless, send
+from tests.harness.pair import run_dspark
 
 METRICS_OK = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
 MODELS = json.dumps({"data": [{"id": "m", "max_model_len": 4096}]}).encode()

@@ -12,14 +12,13 @@ import urllib.parse
 
 import pytest
 
-from tests.harness.pair import run_dspark
-from dspark.net import http
-from dspark.engine import facts as F
 from dspark.bench import decode, prefill, prompts
 from dspark.bench.client import Target, completion_body, scrape, stream_completion
-from dspark.engine.metrics import window
-from dspark.engine.metrics import busy
 from dspark.bench.report import Report
+from dspark.engine import facts as F
+from dspark.engine.metrics import busy, window
+from dspark.net import http
+from tests.harness.pair import run_dspark
 
 pytestmark = pytest.mark.pair
 MODEL = "dspark-local"

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from dspark.bench import compare, prefill, prompts, stats
-from dspark.engine import metrics
 from dspark.bench.decode import DecodeSpec
 from dspark.bench.prefill import PrefillSpec
-from dspark.bench.report import PrefillSummary, PrefillTrial, Report, ReportError, SCHEMA_VERSION
+from dspark.bench.report import SCHEMA_VERSION, PrefillSummary, PrefillTrial, Report, ReportError
+from dspark.engine import metrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODEL = "dspark-local"

@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from dspark.cli.main import main
-from tests.harness.hostile import HostileServer
 from tests.bench.test_bench_hostile import routes
+from tests.harness.hostile import HostileServer
 
 SECRET = "pw-21-hush"
 

@@ -11,10 +11,9 @@ import re
 import numpy as np
 import pytest
 
-from tests.harness.dspark_cli import invoke_dspark
-
 from dspark.bench import compare, decode, prefill, prompts
 from dspark.bench.report import DecodeRequest, PrefillTrial, Report
+from tests.harness.dspark_cli import invoke_dspark
 
 OUT = 16  # output tokens per request
 

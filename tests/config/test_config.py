@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.dspark_cli import invoke_dspark
-from dspark.config.template import template
-from dspark.config.schema import ConfigError, ServingConfig
 from dspark.config import validate as C
+from dspark.config.schema import ConfigError, ServingConfig
+from dspark.config.template import template
+from tests.harness.dspark_cli import invoke_dspark
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "cluster-two-node.toml"
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dspark.config import validate as C
 from dspark.config.schema import ConfigError, NodeConfig, ServingConfig, SupervisorConfig
 from dspark.config.template import dumps
-from dspark.config import validate as C
 from dspark.node.launch import render
 from tests.harness.dspark_cli import invoke_dspark
 from tests.harness.pair import run_dspark

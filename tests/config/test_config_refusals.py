@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dspark.config.flags import DSPARK_FLAGS
-from dspark.config.schema import Cluster, ConfigError, GIB, ModelConfig, NodeConfig
-from dspark.config.template import dumps, template
-from dspark.config import validate as C
 from dspark.cli.main import main
+from dspark.config import validate as C
+from dspark.config.flags import DSPARK_FLAGS
+from dspark.config.schema import GIB, Cluster, ConfigError, ModelConfig, NodeConfig
+from dspark.config.template import dumps, template
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "cluster-two-node.toml"
 WILDCARDS = ("0.0.0.0", "::")

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.harness.dspark_cli import invoke_dspark
-from dspark.config.schema import Cluster, ConfigError, ModelConfig, NodeConfig, SEED_ENV, ServingConfig
-from dspark.config.template import template
 from dspark.config import validate as C
+from dspark.config.schema import SEED_ENV, Cluster, ConfigError, ModelConfig, NodeConfig, ServingConfig
+from dspark.config.template import template
 from dspark.engine import graph_dispatch as G
 from dspark.node.launch import render
+from tests.harness.dspark_cli import invoke_dspark
 
 K = 5  # DSpark's speculative tokens in the template: 6 verify rows per request
 MULTIPLES_OF_6 = list(range(6, 73, 6))
@@ -296,6 +296,7 @@ def test_vllm_turns_breakable_graphs_on_for_deepseek_v4_unless_the_variable_is_s
     run): it sets VLLM_USE_BREAKABLE_CUDAGRAPH=1 for DeepseekV4ForCausalLM only when the
     variable is absent, so the template's explicit 0 is what keeps regular graphs."""
     import inspect
+
     from vllm.config import VllmConfig
 
     src = inspect.getsource(VllmConfig.__post_init__)

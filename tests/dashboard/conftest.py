@@ -2,9 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.node.states import NodeState, SERVING
 from dspark.node import agent as A
-
+from dspark.node.states import SERVING, NodeState
 from tests.harness.dashboard import MetricsStandIn
 
 

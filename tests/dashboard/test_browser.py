@@ -13,7 +13,6 @@ from dspark.config import validate as config
 from dspark.config.validate import load
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
-
 from tests.harness.browser import wait_for
 from tests.harness.dashboard import DashboardProcess, Load
 

@@ -11,13 +11,12 @@ import time
 
 import pytest
 
-from dspark.node.states import LOADING, NodeState, SERVING, STARTING, STOPPING
-from dspark.node.states import Liveness
-from dspark.node import agent as A
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
-
+from dspark.node import agent as A
+from dspark.node.states import LOADING, SERVING, STARTING, STOPPING, Liveness, NodeState
 from tests.harness.dashboard import scrape_text
+
 from .test_browser_states import bump
 from .test_memory_requests import bump_reason
 

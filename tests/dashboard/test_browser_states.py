@@ -15,12 +15,10 @@ import time
 
 import pytest
 
-from dspark.node.states import LOADING, NodeState, SERVING, STOPPED
-from dspark.node.states import Liveness
-from dspark.node import agent as A
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
-
+from dspark.node import agent as A
+from dspark.node.states import LOADING, SERVING, STOPPED, Liveness, NodeState
 from tests.harness.dashboard import scrape_text
 
 pytestmark = pytest.mark.browser

@@ -7,14 +7,12 @@ import time
 
 import pytest
 
-from dspark.node.states import FAILED, LOADING, NodeState, SERVING, STOPPING
-from dspark.node.states import Liveness
-from dspark.engine import facts as F
 from dspark.dashboard import collector as C
-from dspark.node import hardware
 from dspark.dashboard import rates
+from dspark.engine import facts as F
 from dspark.engine.metrics import Histogram, MetricsError, parse
-
+from dspark.node import hardware
+from dspark.node.states import FAILED, LOADING, SERVING, STOPPING, Liveness, NodeState
 from tests.harness.dashboard import MetricsStandIn, scrape_text, validate_snapshot
 
 DT = 2.997  # seconds between the two captured scrapes (fixtures/README.md)

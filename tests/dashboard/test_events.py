@@ -10,14 +10,11 @@ import signal
 import time
 from pathlib import Path
 
-
-from dspark.node import states as S
 from dspark.config.validate import load
 from dspark.dashboard import collector as C
+from dspark.node import states as S
 from dspark.node.policy import EXIT_DIED, EXIT_OK
-
 from tests.harness.dashboard import MetricsStandIn, validate_snapshot
-
 from tests.harness.standin import write_cluster  # noqa: E402
 
 

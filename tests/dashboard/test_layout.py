@@ -19,15 +19,14 @@ import time
 
 import pytest
 
-from dspark.node.states import NodeState, SERVING
-from dspark.node.states import Liveness
-from dspark.node import agent as A
-from dspark.engine import facts as F
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
-
+from dspark.engine import facts as F
+from dspark.node import agent as A
+from dspark.node.states import SERVING, Liveness, NodeState
 from tests.harness.browser import chromium
 from tests.harness.dashboard import MetricsStandIn, scrape_text
+
 from .test_percentiles import IDLE_PROBES, metrics_text
 
 pytestmark = pytest.mark.browser

@@ -11,14 +11,14 @@ import urllib.request
 
 import pytest
 
-from dspark.node.states import NodeState, SERVING
-from dspark.node import agent as A
-from dspark.node import host_memory
-from dspark.engine import facts as F
 from dspark.dashboard import collector as C
 from dspark.dashboard import rates
-
+from dspark.engine import facts as F
+from dspark.node import agent as A
+from dspark.node import host_memory
+from dspark.node.states import SERVING, NodeState
 from tests.harness.dashboard import scrape_text, validate_snapshot
+
 from .test_collector import targets
 
 

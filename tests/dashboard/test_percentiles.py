@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from dspark.engine import facts as F
 from dspark.bench import stats
 from dspark.dashboard import rates
+from dspark.engine import facts as F
 from dspark.engine.metrics import parse
 
 HISTOGRAMS = (F.TTFT, F.ITL, F.E2E)

@@ -13,7 +13,6 @@ import pytest
 
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
-
 from tests.harness.dashboard import scrape_text, snapshot_schema, validate_snapshot
 
 TOKEN = "s3cret-token-for-tests"
@@ -136,8 +135,7 @@ def _cli(*args: str, env=None) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def cluster_file(tmp_path):
-    from dspark.local.appliance import prepare
-    from dspark.local.appliance import LocalPorts
+    from dspark.local.appliance import LocalPorts, prepare
 
     return prepare(tmp_path / "local", LocalPorts(api=1, master=2, agent=3))
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from dspark.lines import state as line_state
 from dspark import switch as W
 from dspark.lines import history as H
+from dspark.lines import state as line_state
 from dspark.node.policy import backoff_delay
 from dspark.node.supervisor import FAILURES_FILE, FailureHistory, _count_start, _read_starts
 from tests.lines.test_line_state import cluster

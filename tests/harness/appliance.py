@@ -21,9 +21,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness.nspawn_container import ROOT, Container
-from tests.harness.pair import count_head_starts, pick_ports, record_start_ups  # shared with the pair tests
-
 from dspark.local.appliance import (
     DEFAULT_NODES,
     HEAD_NAME,
@@ -34,6 +31,8 @@ from dspark.local.appliance import (
     node_name,
 )
 from dspark.units.render import NodeRole, node_units
+from tests.harness.nspawn_container import ROOT, Container
+from tests.harness.pair import count_head_starts, pick_ports, record_start_ups  # shared with the pair tests
 
 CLUSTER_DIR = "/srv/dspark-local"  # inside the container (outside /tmp: PrivateTmp hides that)
 PYTHON = str(ROOT / ".venv" / "bin" / "python")

@@ -161,7 +161,7 @@ class Load:
                     self.failed += 1
                 self.stop_event.wait(0.5)
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for t in self.threads:
             t.start()
         return self

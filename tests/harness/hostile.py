@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 Handler = Callable[[BaseHTTPRequestHandler], None]
 MAX_HANDLER_S = 20.0  # no scripted answer runs longer than this
@@ -52,7 +52,7 @@ class HostileServer:
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                        daemon=True)
 
-    def __enter__(self) -> "HostileServer":
+    def __enter__(self) -> HostileServer:
         self.thread.start()
         return self
 

@@ -8,8 +8,8 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Iterator
 
 from tests.harness.hostile import Handler, HostileServer, send
 

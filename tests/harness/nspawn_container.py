@@ -74,7 +74,7 @@ class Container:
         self.log_path: Path | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout: float = 90) -> "Container":
+    def start(self, timeout: float = 90) -> Container:
         try:
             self._start(timeout)
         except BaseException:
@@ -195,7 +195,7 @@ class Container:
         """A path inside the container, as seen from the host."""
         return Path(f"/proc/{self.leader}/root") / inside.lstrip("/")
 
-    def __enter__(self) -> "Container":
+    def __enter__(self) -> Container:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -11,9 +11,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dspark.local.appliance import LocalPorts
@@ -92,7 +93,7 @@ def kill_leftovers(workdir: Path, groups: Iterable[int] = ()) -> None:
             end_group(g, gone_s=10)
 
 
-def vllm_groups(pair: "PairHandle") -> set[int]:
+def vllm_groups(pair: PairHandle) -> set[int]:
     """The process groups of the pair's vLLM runs now (each vLLM leads its own)."""
     out = set()
     for name in pair.names:
@@ -110,7 +111,7 @@ def get_json(url: str, timeout: float = 2.0):
         return json.loads(r.read())
 
 
-def pick_ports(nodes: int = 2) -> "LocalPorts":
+def pick_ports(nodes: int = 2) -> LocalPorts:
     from dspark.local.appliance import LocalError, LocalPorts, check_ports_free
 
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
@@ -147,7 +148,7 @@ class PairHandle:
 
     proc: subprocess.Popen
     workdir: Path
-    ports: "LocalPorts"
+    ports: LocalPorts
     output: Path
     nodes: int = 2
     groups: set = field(default_factory=set)  # vLLM process groups a test saw: swept at teardown

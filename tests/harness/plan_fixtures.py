@@ -42,7 +42,11 @@ CONFIG_PATH = Path(__file__).parents[1] / "fixtures" / "deepseek-v4-flash-config
 
 # The tensor list and the published figures live in the package (dspark plan --published).
 from dspark.plan.published import (  # noqa: E402,F401
-    PUBLISHED_PAYLOAD_BYTES, PUBLISHED_SHARD_BYTES, PUBLISHED_SHARD_COUNT, PUBLISHED_TENSOR_COUNT, _WIDTH,
+    _WIDTH,
+    PUBLISHED_PAYLOAD_BYTES,
+    PUBLISHED_SHARD_BYTES,
+    PUBLISHED_SHARD_COUNT,
+    PUBLISHED_TENSOR_COUNT,
     dsv4_tensors,
 )
 

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from dspark.config.template import dumps
 from dspark.config import validate as C
+from dspark.config.template import dumps
 from tests.harness.pair import dspark_cmd, get_json
 
 STANDIN = Path(__file__).parent / "standin_vllm.py"
@@ -65,7 +65,7 @@ class Serve:
         while time.monotonic() < deadline:
             try:
                 self.messages.append(self.sock.recv(4096).decode())
-            except socket.timeout:
+            except TimeoutError:
                 if self.proc.poll() is not None and until is None:
                     break
                 continue

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-
 from pathlib import Path
 
 A, B = "v0.28.0", "v0.32.0"

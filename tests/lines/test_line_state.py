@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from dspark.config.schema import Cluster, ConfigError
-from dspark.config import validate as C
-from dspark.lines import state as L
 from dspark.bench.report import DecodeLevel, Report
-from dspark.switch import judge, score
+from dspark.config import validate as C
+from dspark.config.schema import Cluster, ConfigError
+from dspark.lines import state as L
 from dspark.lines.history import table as history_table
+from dspark.switch import judge, score
 
 A, B = "v0.28.0", "v0.32.0"
 

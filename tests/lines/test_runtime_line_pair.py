@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from dspark import status
+from dspark.config import validate as C
 from dspark.config.schema import Cluster
 from dspark.config.template import dumps
-from dspark.config import validate as C
-from dspark.local import appliance as local
 from dspark.lines import runtime as runtime_lines
+from dspark.local import appliance as local
+from dspark.local.model import TINY_MODEL
 from dspark.node import states as S
-from dspark import status
 from dspark.node.agent import Agent
 from dspark.node.agent_client import AgentAnswer
-from dspark.node.liveness import LivenessJudge
-from dspark.local.model import TINY_MODEL
 from dspark.node.events import Events, Limits, Peer
+from dspark.node.liveness import LivenessJudge
 from dspark.node.policy import EXIT_NEVER_READY, NodePolicy
 from dspark.preflight import peer as P
 from tests.harness.dspark_cli import invoke_dspark
@@ -66,7 +66,7 @@ class Worker:
                                  identity=identity)
         self.agent = Agent("127.0.0.2", port, self.state.snapshot)
 
-    def __enter__(self) -> "Worker":
+    def __enter__(self) -> Worker:
         self.agent.start()
         return self
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from dspark.cli.main import main
+from dspark.config import validate as C
 from dspark.config.schema import SEED_ENV
 from dspark.config.template import dumps, template
-from dspark.config import validate as C
 from dspark.lines import runtime as R
-from dspark.cli.main import main
 from dspark.lines.overlay import read_series, series_vllm_version, touched_files
 
 TESTS = Path(__file__).parents[1]

@@ -18,13 +18,13 @@ import urllib.request
 
 import pytest
 
-from dspark.node import states as S
 from dspark.config import validate as C
-from dspark.local import appliance as L
-from dspark.node.events import Events
-from dspark.node.policy import EXIT_DIED, EXIT_OK
 from dspark.engine.facts import RUNNING
 from dspark.engine.metrics import parse_samples
+from dspark.local import appliance as L
+from dspark.node import states as S
+from dspark.node.events import Events
+from dspark.node.policy import EXIT_DIED, EXIT_OK
 from tests.local.test_no_orphans import run_of, wait_until
 from tests.node.test_node_policy import agent, exit_of, good_probe, head_peer, kinds, policy, state_of, worker_peer
 

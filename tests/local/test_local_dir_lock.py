@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from dspark.lines import runtime as runtime_lines
+from dspark.local import appliance as local
 from tests.harness.pair import ROOT, dspark_cmd, kill_leftovers, pick_ports, run_dspark
 from tests.harness.standin import STANDIN
-
-from dspark.local import appliance as local
-from dspark.lines import runtime as runtime_lines
 
 READY = "Ctrl-C stops "
 DEADLINE_S = 180  # a loaded 2-core host: the stand-in pair serves in seconds, this is the ceiling

@@ -12,11 +12,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness.pair import dspark_cmd, get_json, kill_leftovers, pick_ports, run_dspark
 from dspark.config import validate as C
-from dspark.local import appliance as L
 from dspark.engine import facts as F
 from dspark.engine.log import SHUTDOWN_ABORT_LINE
+from dspark.local import appliance as L
+from tests.harness.pair import dspark_cmd, get_json, kill_leftovers, pick_ports, run_dspark
 
 pytestmark = pytest.mark.pair
 
@@ -131,7 +131,7 @@ def test_ready_only_after_a_real_completion_and_clean_stop(tmp_path):
                 assert procs[node].poll() is None, (tmp_path / f"{node}.log").read_text()[-3000:]
                 try:
                     msgs.append(socks[node].recv(4096).decode())
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 if msgs[-1].startswith("READY=1"):
                     return msgs

@@ -13,9 +13,9 @@ import urllib.request
 
 import pytest
 
-from tests.harness.pair import get_json, run_dspark
-from dspark.local import appliance as L
 from dspark.engine import facts as F
+from dspark.local import appliance as L
+from tests.harness.pair import get_json, run_dspark
 
 pytestmark = pytest.mark.pair
 

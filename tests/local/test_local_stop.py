@@ -16,11 +16,10 @@ import time
 import urllib.request
 from contextlib import contextmanager
 
-from tests.harness.pair import dspark_cmd, pick_ports
-from tests.local.test_local_dir_lock import Appliances, standin_line  # noqa: F401 (standin_line: a fixture)
-
 from dspark.config import validate as C
 from dspark.local import appliance as local
+from tests.harness.pair import dspark_cmd, pick_ports
+from tests.local.test_local_dir_lock import Appliances, standin_line  # noqa: F401 (standin_line: a fixture)
 
 
 def bound_of(workdir) -> float:

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from dspark.local import appliance as local, model as local_model
+from dspark.local import appliance as local
+from dspark.local import model as local_model
 
 CITIES = ["Paris", "Oslo"]
 TOOLS = [

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness.pair import run_dspark
 from dspark.config import validate as C
 from dspark.local import appliance as L
+from tests.harness.pair import run_dspark
 
 
 @pytest.mark.parametrize("nodes", ["0", "1", "3", "5", "8"])

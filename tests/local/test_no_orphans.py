@@ -21,10 +21,10 @@ import time
 
 import pytest
 
-from tests.harness.browser import wait_for
-from tests.harness.dashboard import DashboardProcess
 from dspark.local import appliance as L
 from dspark.node.vllm_process import group_members
+from tests.harness.browser import wait_for
+from tests.harness.dashboard import DashboardProcess
 
 pytestmark = [pytest.mark.pair, pytest.mark.browser]
 

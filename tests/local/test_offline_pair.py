@@ -24,8 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.pair import (ARTIFACTS, ROOT, count_head_starts, kill_leftovers, local_head_log, pick_ports,
-                     record_start_ups)
+from tests.harness.pair import (
+    ARTIFACTS,
+    ROOT,
+    count_head_starts,
+    kill_leftovers,
+    local_head_log,
+    pick_ports,
+    record_start_ups,
+)
 
 pytestmark = pytest.mark.pair
 

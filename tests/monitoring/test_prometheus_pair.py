@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.config import validate as config
 from dspark import monitoring
+from dspark.config import validate as config
 from dspark.local import appliance as L
 
 pytestmark = pytest.mark.pair

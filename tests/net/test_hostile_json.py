@@ -11,13 +11,13 @@ import time
 import pytest
 
 from dspark.config import validate as C
-from dspark.node.agent_client import fetch_state
 from dspark.dashboard import collector as DC
+from dspark.node.agent_client import fetch_state
 from dspark.node.policy import EXIT_NEVER_READY
-from tests.harness.hostile import HostileServer, answer, send
 from tests.harness.dspark_cli import invoke_dspark
-from tests.status.test_status_hostile import cluster_for, port
+from tests.harness.hostile import HostileServer, answer, send
 from tests.harness.standin import write_cluster
+from tests.status.test_status_hostile import cluster_for, port
 
 
 def nested(depth: int, inner: bytes = b"1") -> bytes:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.config.template import dumps
 from dspark.config import validate as C
+from dspark.config.template import dumps
 from dspark.node.policy import EXIT_NEVER_READY
 from tests.harness.hostile import HostileServer
 from tests.harness.hostile_http import gzip_gzip_bomb, gzip_of_zeros, hostile, inflate

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from dspark.node.agent import Agent
-from dspark.node.agent_client import fetch_state
 from dspark.dashboard import collector as C
 from dspark.dashboard import server as S
+from dspark.node.agent import Agent
+from dspark.node.agent_client import fetch_state
 from tests.harness.standin import write_cluster
 
 pytestmark = pytest.mark.load
@@ -32,7 +32,7 @@ class Tricklers:
         self.addr, self.n = (host, port), n
         self.socks: list[list] = []  # [socket, bytes sent]
 
-    def __enter__(self) -> "Tricklers":
+    def __enter__(self) -> Tricklers:
         for _ in range(self.n):
             self.socks.append([self._connect(), 0])
         return self

@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from tests.nix.nix_support import load_package  # noqa: E402
 
 # The replay's package and its modules: rr.plan, rr.wheels, rr.elf, rr.checks.

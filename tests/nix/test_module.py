@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from dspark.config.template import dumps
-from dspark.config.schema import NodeConfig, ServingConfig
-from dspark.config import validate as dspark_config
 from dspark.config import credentials
+from dspark.config import validate as dspark_config
+from dspark.config.schema import NodeConfig, ServingConfig
+from dspark.config.template import dumps
 from dspark.units.render import render_units
 from tests.nix.nix_support import NixError, to_nix
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from dspark.config.template import dumps
-from dspark.config.schema import ServingConfig
 from dspark.config import validate as dspark_config
+from dspark.config.schema import ServingConfig
+from dspark.config.template import dumps
 from dspark.lines import runtime as runtime_lines
 from tests.nix.nix_support import REPO, nix_eval
 from tests.nix.test_module import host, settings

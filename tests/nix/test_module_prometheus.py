@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.config import validate as dspark_config
 from dspark import monitoring
+from dspark.config import validate as dspark_config
 from tests.nix.nix_support import NixError, nix_eval, to_nix
 
 pytestmark = pytest.mark.nix

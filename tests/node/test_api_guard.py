@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.config.schema import Cluster
 from dspark.config import validate as C
+from dspark.config.schema import Cluster
 from dspark.node.launch import API_GUARD_DIR, node_env, render
 
 TESTS = Path(__file__).parents[1]

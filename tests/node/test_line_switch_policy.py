@@ -10,7 +10,6 @@ from dspark.node import states as S
 from dspark.node.agent_client import AgentAnswer
 from dspark.node.events import EXIT_SWITCH, Events
 from dspark.node.policy import EXIT_DIED, EXIT_NEVER_READY, EXIT_OK
-
 from tests.node.test_node_policy import exit_of, good_probe, head_peer, kinds, policy, state_of, worker_peer
 
 A, B = "v0.28.0", "v0.32.0"

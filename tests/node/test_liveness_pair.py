@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 
 from dspark.config import validate as C
-from dspark.local import appliance as L
 from dspark.engine import facts as F
+from dspark.local import appliance as L
 from dspark.node.liveness import read_progress
 
 pytestmark = pytest.mark.pair

@@ -8,8 +8,8 @@ import pytest
 
 from dspark.node import states as S
 from dspark.node.agent_client import AgentAnswer, is_lost
-from dspark.node.liveness import LivenessJudge, Progress, Verdict
 from dspark.node.events import Events, Limits, Peer, ReadyProbe, Round
+from dspark.node.liveness import LivenessJudge, Progress, Verdict
 from dspark.node.policy import BACKOFF_STABLE_S, EXIT_DIED, EXIT_NEVER_READY, EXIT_OK, NodePolicy
 
 API = "http://127.0.0.1:8000"

@@ -133,9 +133,8 @@ def test_the_probes_reach_our_own_vllm(recorder):
 def test_a_head_whose_api_port_is_taken_sends_it_nothing(tmp_path, recorder, serve):
     """The supervisor's own probes (the stand-in vLLM loads for 3 s, then finds the port taken
     and exits): the squatter gets no request, so no key, and the head never reports serving."""
-    from tests.harness.standin import write_cluster
-
     from dspark.config import validate as C
+    from tests.harness.standin import write_cluster
 
     cluster = write_cluster(tmp_path)
     port = C.load(cluster).node("h").api_port

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.pair import run_dspark
-from dspark.config.schema import GIB
 from dspark.config import validate as C
-from dspark.node.launch import API_GUARD_DIR, Launch, render
+from dspark.config.schema import GIB
 from dspark.config.secret_policy import REDACTED
+from dspark.node.launch import API_GUARD_DIR, Launch, render
+from tests.harness.pair import run_dspark
 
 TESTS = Path(__file__).parents[1]
 FIXTURE = TESTS / "fixtures" / "cluster-two-node.toml"

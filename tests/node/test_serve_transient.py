@@ -21,13 +21,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from tests.harness.standin import write_cluster
 
-from dspark.config.template import dumps
 from dspark.config import validate as C
+from dspark.config.template import dumps
 from dspark.lines import state as line_state
 from dspark.local.model import TINY_MODEL
 from dspark.node.policy import EXIT_CONFIG
+from tests.harness.standin import write_cluster
 
 EXIT_RETRY = 5  # dspark.node.policy.EXIT_RETRY: restarted by the units
 

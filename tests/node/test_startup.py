@@ -13,7 +13,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from tests.harness.standin import STANDIN, write_cluster
 
 from dspark.config import validate as C
 from dspark.config.template import dumps
@@ -23,6 +22,7 @@ from dspark.node.policy import EXIT_CONFIG
 from dspark.node.signals import SignalQueue
 from dspark.node.startup import Plan, Refusal, running_line, startup
 from dspark.node.supervisor import Supervisor
+from tests.harness.standin import STANDIN, write_cluster
 
 A, B = "v0.28.0", "v0.32.0"  # the file's line, and another installed one
 

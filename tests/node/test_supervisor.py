@@ -12,9 +12,10 @@ import urllib.request
 
 import pytest
 
+from dspark.node.policy import EXIT_CONFIG, EXIT_DIED, EXIT_NEVER_READY, EXIT_OK
 from tests.harness.pair import dspark_cmd, run_dspark
 from tests.harness.standin import STANDIN, Serve, alive, free_port, write_cluster  # noqa: F401 (Serve: used through the fixture)
-from dspark.node.policy import EXIT_CONFIG, EXIT_DIED, EXIT_NEVER_READY, EXIT_OK
+
 
 def test_head_ready_after_a_real_completion_then_clean_stop(tmp_path, serve):
     cluster = write_cluster(tmp_path)

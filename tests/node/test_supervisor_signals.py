@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tests.harness.pair import dspark_cmd
 from dspark.node.policy import EXIT_DIED, EXIT_OK
+from tests.harness.pair import dspark_cmd
 from tests.harness.standin import alive, write_cluster
 
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from dspark.config import validate as C
 from dspark.config.schema import Cluster, ConfigError
 from dspark.config.toml import toml_value
-from dspark.config import validate as C
 from dspark.lines import runtime as R
-from dspark.preflight import Host, run
 from dspark.node.launch import render
+from dspark.preflight import Host, run
 from tests.config.test_config_sources import vllm  # noqa: F401,F811 (the fixture)
 from tests.node.test_render import flags
 

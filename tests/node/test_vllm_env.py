@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 
-from tests.harness.standin import write_cluster
-
 from dspark.node.launch import API_GUARD_DIR
+from tests.harness.standin import write_cluster
 
 
 def test_vllm_gets_the_guard_first_then_the_inherited_path(tmp_path, serve):

@@ -183,7 +183,7 @@ def install_w4a16_kernel(ns: dict) -> None:
     ns.update(contract.real_functions(contract.W4A16_KERNEL, W4A16_KERNEL_FUNCTIONS))
 
 
-def select_tiles(a: torch.Tensor, experts: "ExpertWeights", top_k: int) -> None:
+def select_tiles(a: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
     """Ask the W4A16 kernel module's tile selector (whatever the module holds now, a wrapper
     included) for FC1 and FC2 of a launch, with the arguments b12x's
     ``compile_w4a16_fused_moe`` passes for byte-preserved E8M0 K/32 weights, its no-CUDA

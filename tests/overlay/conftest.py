@@ -161,8 +161,8 @@ def rendered_032(tmp_path_factory) -> dict:
     the speculative tokens and max_num_seqs."""
     import tomllib
 
-    from dspark.config.template import dumps
     from dspark.config import validate as C
+    from dspark.config.template import dumps
     from dspark.node.launch import vllm_argv
 
     data = tomllib.loads((REPO / "tests" / "fixtures" / "cluster-two-node.toml").read_text())

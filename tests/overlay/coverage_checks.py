@@ -53,10 +53,11 @@ DRAFT_MOE_LAYERS = 1
 
 def serving_args(cluster_path: str):
     """The head's vLLM arguments as vLLM's own serve parser reads them."""
-    from dspark.config import validate as dc
-    from dspark.node import launch as render
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from dspark.config import validate as dc
+    from dspark.node import launch as render
 
     cluster = dc.load(cluster_path)
     argv = render.vllm_argv(cluster, cluster.head)

@@ -118,6 +118,8 @@ def check_fp8_ds_mla_layout(site: Path) -> None:
     from vllm.models.deepseek_v4 import attention as attn_mod
     from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
         DeepseekV4FlashInferMLASparseBackend as B,
+    )
+    from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
         DeepseekV4FlashInferSM120Attention as A,
     )
     from vllm.platforms.interface import DeviceCapability

@@ -30,9 +30,9 @@ MAX_NUM_SEQS = 12
 
 
 def _simulate_sm12x() -> None:
-    from tests.overlay.kv_layout_checks import _simulate_sm12x as simulate_family
-
     from vllm.platforms import current_platform
+
+    from tests.overlay.kv_layout_checks import _simulate_sm12x as simulate_family
 
     simulate_family()
     # The managers take a handle on the platform's graph memory pool (a CUDA

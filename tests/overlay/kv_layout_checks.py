@@ -109,6 +109,7 @@ class PlannedSm120:
 
     def __init__(self, root: Path):
         import __future__
+
         import ast
         import enum
         import typing

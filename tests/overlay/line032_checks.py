@@ -44,13 +44,14 @@ def check_flashinfer_backend(site: Path) -> None:
     """The SM120 class plans each request's rows on SM12x only (0003), without the SWA width
     padding (FlashInfer 0.7.0.post1's SM120 DSv4 decode takes any top-k); the backend takes
     fp8_ds_mla on SM12x and refuses it on SM10x."""
+    import vllm.utils.spark_sm12x_attn as m
     from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
         DeepseekV4FlashInferMLASparseBackend as B,
+    )
+    from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
         DeepseekV4FlashInferSM120Attention as A,
     )
     from vllm.platforms.interface import DeviceCapability
-
-    import vllm.utils.spark_sm12x_attn as m
 
     args = dict(head_size=512, dtype=None, block_size=256, use_mla=True, has_sink=True,
                 use_sparse=True, use_mm_prefix=False)

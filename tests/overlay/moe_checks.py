@@ -502,9 +502,9 @@ def check_provider_warmup(site: Path) -> None:
     """vLLM's own b12x warm-up (kernel_warmup's b12x_warmup) reaches the MoE layers of the
     target and of the speculator's draft model: every layer plans every b12x token bucket up
     to the scheduler's budget, one layer per shape launches each launch class."""
-    import torch
     from types import SimpleNamespace
 
+    import torch
     from vllm.model_executor.warmup.b12x_warmup import b12x_warmup
 
     s = standin()

@@ -72,6 +72,7 @@ def check_imports(site: Path) -> None:
 
 def check_tensor_logic(site: Path) -> None:
     import vllm.utils.spark_sm12x as m
+
     from tests.overlay.tensor_checks import run_all
 
     failed = {k: v for k, v in run_all(m, "cpu").items() if v != "ok"}
@@ -119,13 +120,13 @@ def check_nvfp4_rewrite(site: Path) -> None:
 
 def check_page_size_specs(site: Path) -> None:
     import torch
+    from vllm.models.deepseek_v4.sparse_mla import DeepseekV4SparseMLABackend
+    from vllm.utils.spark_sm12x import ds_mla_alignment
     from vllm.v1.kv_cache_interface import (
         MLAAttentionSpec,
         SlidingWindowMLASpec,
         get_kv_quant_mode,
     )
-    from vllm.models.deepseek_v4.sparse_mla import DeepseekV4SparseMLABackend
-    from vllm.utils.spark_sm12x import ds_mla_alignment
 
     for ratio in (4, 128):
         spec = MLAAttentionSpec(
@@ -182,6 +183,8 @@ def flashinfer_takes_nvfp4():
     class for the line's own checks."""
     from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
         DeepseekV4FlashInferMLASparseBackend as B,
+    )
+    from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
         DeepseekV4FlashInferSM120Attention as A,
     )
     from vllm.platforms.interface import DeviceCapability
@@ -219,12 +222,14 @@ def check_flashinfer_backend(site: Path) -> None:
 
 
 def check_b12x_backend(site: Path) -> None:
-    from vllm.model_executor.layers.fused_moe.experts.b12x_mxfp4_moe import (
-        B12xMxfp4Experts as E,
-        b12x_fused_moe_api,
-    )
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
+    from vllm.model_executor.layers.fused_moe.experts.b12x_mxfp4_moe import (
+        B12xMxfp4Experts as E,
+    )
+    from vllm.model_executor.layers.fused_moe.experts.b12x_mxfp4_moe import (
+        b12x_fused_moe_api,
+    )
     from vllm.model_executor.layers.fused_moe.oracle import mxfp4
     from vllm.model_executor.layers.quantization.utils.quant_utils import (
         kMxfp4Static,

@@ -66,8 +66,7 @@ def _time_us(fn, repeats: int = 200) -> float:
 
 def main() -> int:
     assert torch.cuda.is_available(), "no CUDA device"
-    from tests.overlay import attn_tensor_checks
-    from tests.overlay import tensor_checks
+    from tests.overlay import attn_tensor_checks, tensor_checks
 
     with tempfile.TemporaryDirectory() as tmp:
         helpers, attn = load_module(Path(tmp)), load_module(Path(tmp), "spark_sm12x_attn")

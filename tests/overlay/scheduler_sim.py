@@ -102,13 +102,14 @@ def _model_dir(tmp: Path) -> Path:
 
 
 def _kv_cache_config(vc, kv_bytes: int):
-    from tests.overlay.kv_layout_checks import Layers  # the DeepSeek V4 cache layers, built by their classes
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
         get_kv_cache_config_from_groups,
         get_kv_cache_groups,
     )
     from vllm.v1.worker.gpu import attn_utils
+
+    from tests.overlay.kv_layout_checks import Layers  # the DeepSeek V4 cache layers, built by their classes
 
     Layers(vc)
     specs = attn_utils.get_kv_cache_spec(vc)
@@ -121,11 +122,13 @@ def _kv_cache_config(vc, kv_bytes: int):
 def run_case(case: dict, model_dir: Path) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import (
-        get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes,
+        get_request_block_hasher,
+        init_none_hash,
+        resolve_kv_cache_block_sizes,
     )
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request

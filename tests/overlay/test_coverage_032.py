@@ -32,7 +32,6 @@ from pathlib import Path
 
 import pytest
 
-
 from .conftest import REPO, run_checks
 
 pytestmark = pytest.mark.vllm

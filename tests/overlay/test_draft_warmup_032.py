@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-
 from .conftest import run_checks
 
 CHECKS = Path(__file__).with_name("draft_warmup_032_checks.py")

@@ -31,10 +31,10 @@ from dspark.lines.overlay import (
 )
 
 from . import attn_tensor_checks
-from .test_apply import _digests
-from .test_kv_layout import short_prompt_mismatches, short_prompt_table
 from .conftest import LINE_032, OVERLAY_DIR, REPO, run_checks
 from .run_cuda_checks import added_file
+from .test_apply import _digests
+from .test_kv_layout import short_prompt_mismatches, short_prompt_table
 
 LINE = R.load().get(LINE_032)
 SERIES = REPO / LINE.series_file

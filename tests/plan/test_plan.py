@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from dspark.plan.facts import ModelFacts
-from dspark.plan.fit import Plan, plan_from_facts
-from dspark.plan.weights import _is_replicated
-from dspark.plan.facts import GiB, PlanError, load_model_facts
+from dspark.plan.facts import GiB, ModelFacts, PlanError, load_model_facts
+from dspark.plan.fit import Plan, make_plan, plan_from_facts
 from dspark.plan.inputs import PlanInputs
-from dspark.plan.fit import make_plan
 from dspark.plan.kv_layout import kv_layout
-
+from dspark.plan.weights import _is_replicated
 from tests.harness.plan_fixtures import (
     PUBLISHED_PAYLOAD_BYTES,
     PUBLISHED_SHARD_BYTES,

@@ -2,11 +2,11 @@
 
 import dataclasses
 
-from dspark.config.schema import ServingConfig
 from dspark.config import validate as C
-from dspark.plan.inputs import PlanInputs
-from dspark.plan.from_cluster import plan_inputs
+from dspark.config.schema import ServingConfig
 from dspark.plan.facts import serving_default
+from dspark.plan.from_cluster import plan_inputs
+from dspark.plan.inputs import PlanInputs
 
 
 def test_plan_inputs_default_to_the_config_defaults(tmp_path):

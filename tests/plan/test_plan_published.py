@@ -6,10 +6,9 @@ disk and no cluster file; and the plan's hints name only settings the cluster fi
 import json
 import re
 
+from dspark.plan import published
 from tests.harness.dspark_cli import invoke_dspark
 from tests.harness.plan_fixtures import CONFIG_PATH, write_dsv4_flash_checkpoint, write_tiny_llama
-
-from dspark.plan import published
 
 NO_CONFIG = {"DSPARK_CONFIG": None}  # unset for the call
 

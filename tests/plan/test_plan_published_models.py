@@ -11,12 +11,13 @@ import math
 
 import pytest
 
-from tests.harness.dspark_cli import invoke_dspark
 from dspark.plan import published
 from dspark.plan.facts import GiB
-from dspark.plan.published_v41 import checkpoint_config, config as v41_config, engram_head_rows, engram_rows_per_rank
+from dspark.plan.published_v41 import checkpoint_config, engram_head_rows, engram_rows_per_rank
+from dspark.plan.published_v41 import config as v41_config
 from dspark.plan.published_vision import replicated_by_vllm
 from dspark.plan.weights import split_weights
+from tests.harness.dspark_cli import invoke_dspark
 
 NO_CONFIG = {"DSPARK_CONFIG": None}  # unset for the call
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.config.schema import ConfigError, NodeConfig
 from dspark.config import validate as C
+from dspark.config.schema import ConfigError, NodeConfig
 from dspark.preflight import Host, run
 from dspark.preflight import net as N
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from dspark.config import validate as C
 from dspark.config.schema import Cluster, NodeConfig, ServingConfig
 from dspark.config.template import dumps
-from dspark.config import validate as C
-from dspark.node import states as S
-from dspark.node.agent import Agent
 from dspark.local.appliance import LocalError, LocalPorts, prepare, up
 from dspark.local.model import TINY_MODEL
+from dspark.node import states as S
+from dspark.node.agent import Agent
 from dspark.preflight import Host
 from dspark.preflight import peer as P
 from tests.harness.dspark_cli import invoke_dspark
@@ -312,8 +312,8 @@ def test_prepare_of_local_still_validates(tmp_path):
 
 
 def test_node_units_run_the_check_before_vllm():
-    from dspark.units.render import render_units
     from dspark.units.names import HEAD, WORKER
+    from dspark.units.render import render_units
 
     units = render_units("/usr/bin/dspark")
     for name, role in ((WORKER, "worker"), (HEAD, "head")):

@@ -12,13 +12,13 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from tests.harness.standin import STANDIN, write_cluster
 
 from dspark.config.template import dumps
 from dspark.local.model import TINY_MODEL
 from dspark.preflight import perms
 from dspark.units.user import ServiceUser
 from tests.harness.dspark_cli import invoke_dspark
+from tests.harness.standin import STANDIN, write_cluster
 
 
 def setup(tmp_path: Path, **serving) -> Path:

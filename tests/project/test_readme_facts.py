@@ -4,11 +4,9 @@ it as <redacted>)."""
 
 import re
 
-from tests.harness.dspark_cli import invoke_dspark
-
 from dspark.node.policy import BACKOFF_MAX_S, backoff_delay
-
 from tests.harness.docs_text import docs_text
+from tests.harness.dspark_cli import invoke_dspark
 
 README = docs_text()  # README.md and docs/
 

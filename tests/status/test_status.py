@@ -8,12 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+from dspark.config import validate as C
+from dspark.config.template import dumps
 from tests.harness.dspark_cli import invoke_dspark
 from tests.harness.pair import dspark_cmd
 from tests.harness.standin import STANDIN, free_port, write_cluster
-
-from dspark.config.template import dumps
-from dspark.config import validate as C
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "cluster-two-node.toml"
 
@@ -89,7 +88,7 @@ def test_wait_worker_waits_for_every_worker_and_names_the_missing_one(tmp_path, 
             while time.monotonic() < deadline and not (len(waiting()) >= 3 and waiting()[-1].startswith(alone)):
                 try:
                     statuses.append(sock.recv(4096).decode())
-                except socket.timeout:
+                except TimeoutError:
                     pass
             assert len(waiting()) >= 3 and waiting()[-1].startswith(alone), statuses
             assert all("w2" in m for m in waiting()), waiting()  # never without the one missing

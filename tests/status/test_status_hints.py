@@ -12,12 +12,11 @@ import time
 
 import pytest
 
+from dspark.config.schema import DEFAULT_CONFIG_PATH
+from dspark.local import appliance as local
 from tests.harness.dspark_cli import invoke_dspark
 from tests.harness.pair import pick_ports
 from tests.harness.standin import write_cluster
-
-from dspark.config.schema import DEFAULT_CONFIG_PATH
-from dspark.local import appliance as local
 
 NO_ETC = pytest.mark.skipif(DEFAULT_CONFIG_PATH.exists(), reason=f"{DEFAULT_CONFIG_PATH} exists on this host")
 

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from dspark.config.template import dumps
 from dspark.config import validate as C
+from dspark.config.template import dumps
 from dspark.node.policy import EXIT_DIED
-from tests.harness.hostile import HostileServer, answer, send
 from tests.harness.dspark_cli import invoke_dspark
+from tests.harness.hostile import HostileServer, answer, send
 from tests.harness.standin import alive, write_cluster
 
 

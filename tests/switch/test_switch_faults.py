@@ -29,13 +29,12 @@ import time
 import tomllib
 from pathlib import Path
 
-from tests.harness.pair import dspark_cmd
-from tests.harness.standin import STANDIN, write_cluster
-from tests.node.test_serve_transient import fill, tiny_tmpfs
-
 from dspark.config.template import dumps
 from dspark.lines import state as line_state
 from dspark.node.policy import EXIT_DIED
+from tests.harness.pair import dspark_cmd
+from tests.harness.standin import STANDIN, write_cluster
+from tests.node.test_serve_transient import fill, tiny_tmpfs
 
 A, B = "v0.28.0", "v0.32.0"
 STANDIN_LINE = [sys.executable, str(STANDIN)]

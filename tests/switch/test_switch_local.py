@@ -28,7 +28,7 @@ import pytest
 
 from dspark.local import appliance as local
 from tests.harness.pair import ARTIFACTS, dspark_cmd
-from tests.harness.switch import A, B, WIDE_BAND
+from tests.harness.switch import WIDE_BAND, A, B
 
 pytestmark = pytest.mark.pair
 

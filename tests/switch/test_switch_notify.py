@@ -14,15 +14,15 @@ import time
 import tomllib
 
 import pytest
-from tests.harness.pair import dspark_cmd
-from tests.harness.standin import STANDIN, write_cluster
 
 from dspark.config.template import dumps
-from dspark.lines import state as line_state
-from dspark.local import appliance as local
 from dspark.files import state_io
 from dspark.lines import history as switch_history
+from dspark.lines import state as line_state
+from dspark.local import appliance as local
 from dspark.local.model import TINY_MODEL
+from tests.harness.pair import dspark_cmd
+from tests.harness.standin import STANDIN, write_cluster
 
 A, B = "v0.28.0", "v0.32.0"
 

@@ -10,11 +10,10 @@ import time
 
 import pytest
 
-from tests.harness.appliance import bind_checkout, runtime
-from tests.harness.nspawn_container import Container, missing_requirements
-
 from dspark.config import credentials
 from dspark.local.appliance import HEAD_NAME
+from tests.harness.appliance import bind_checkout, runtime
+from tests.harness.nspawn_container import Container, missing_requirements
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]

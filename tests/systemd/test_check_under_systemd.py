@@ -9,10 +9,9 @@ import time
 
 import pytest
 
+from dspark.local.appliance import WORKER_NAME
 from tests.harness.appliance import DSPARK, PYTHON, _dspark_can_execute, bind_checkout, runtime
 from tests.harness.nspawn_container import Container, missing_requirements
-
-from dspark.local.appliance import WORKER_NAME
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]

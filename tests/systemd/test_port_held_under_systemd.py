@@ -13,10 +13,9 @@ import time
 
 import pytest
 
+from dspark.local.appliance import WORKER_NAME
 from tests.harness.appliance import install, use_standin
 from tests.harness.nspawn_container import Container, missing_requirements
-
-from dspark.local.appliance import WORKER_NAME
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]

@@ -19,10 +19,9 @@ import time
 
 import pytest
 
+from dspark.local.appliance import HEAD_NAME, node_name
 from tests.harness.appliance import CLUSTER_DIR, STANDIN, Appliance, install, use_standin
 from tests.harness.nspawn_container import Container, missing_requirements
-
-from dspark.local.appliance import HEAD_NAME, node_name
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]

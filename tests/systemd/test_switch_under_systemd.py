@@ -28,12 +28,11 @@ import time
 
 import pytest
 
+from dspark.local.appliance import HEAD_NAME, WORKER_NAME
 from tests.harness.appliance import CHECKOUT_LINES, CLUSTER_DIR, Appliance, install, record_real_start_ups
 from tests.harness.nspawn_container import Container, missing_requirements
 from tests.harness.pair import ARTIFACTS
 from tests.harness.switch import A, B
-
-from dspark.local.appliance import HEAD_NAME, WORKER_NAME
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}"),

@@ -23,10 +23,9 @@ import urllib.request
 
 import pytest
 
+from dspark.local.appliance import HEAD_NAME, SERVED_NAME, WORKER_NAME
 from tests.harness.appliance import CLUSTER_DIR, STANDIN, UNITS, Appliance, install, use_standin
 from tests.harness.nspawn_container import Container, missing_requirements
-
-from dspark.local.appliance import HEAD_NAME, SERVED_NAME, WORKER_NAME
 
 pytestmark = [pytest.mark.systemd,
               pytest.mark.skipif(missing_requirements() is not None, reason=f"systemd tests: {missing_requirements()}")]

@@ -12,13 +12,32 @@ from pathlib import Path
 
 import pytest
 
-from dspark.units.names import (DASHBOARD, HEAD, LOCAL_PAIR_DROPIN, NODE_DROPIN, READY_TARGET, SYSTEM_UNIT_DIR,
-                                SYSUSERS_FILE, UNIT_NAMES, WAIT_WORKER, WORKER, WORKER_TEMPLATE)
-from dspark.units.render import (NodeRole, START_LIMIT, START_TIMEOUT, WATCHDOG_S, exec_quote, node_dropins,
-                                 node_units, render_units)
 from dspark.config.schema import SupervisorConfig
 from dspark.local.appliance import LocalPorts, prepare
 from dspark.node.policy import BACKOFF_MAX_S, backoff_delay
+from dspark.units.names import (
+    DASHBOARD,
+    HEAD,
+    LOCAL_PAIR_DROPIN,
+    NODE_DROPIN,
+    READY_TARGET,
+    SYSTEM_UNIT_DIR,
+    SYSUSERS_FILE,
+    UNIT_NAMES,
+    WAIT_WORKER,
+    WORKER,
+    WORKER_TEMPLATE,
+)
+from dspark.units.render import (
+    START_LIMIT,
+    START_TIMEOUT,
+    WATCHDOG_S,
+    NodeRole,
+    exec_quote,
+    node_dropins,
+    node_units,
+    render_units,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DSPARK_BIN = str(Path(sys.executable).parent / "dspark")

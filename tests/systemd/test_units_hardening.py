@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.units.names import DASHBOARD, HEAD, WAIT_WORKER, WORKER, WORKER_TEMPLATE
 from dspark.units.install import write_files
+from dspark.units.names import DASHBOARD, HEAD, WAIT_WORKER, WORKER, WORKER_TEMPLATE
 from dspark.units.render import render_units
 
 DSPARK_BIN = str(Path(sys.executable).parent / "dspark")

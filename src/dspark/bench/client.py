@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspark.net import http
 from dspark.engine import facts as F
-from dspark.net.http import HTTPFailure, Response, parse_json, request
 from dspark.engine import metrics
+from dspark.net import http
+from dspark.net.http import HTTPFailure, Response, parse_json, request
 
 
 class BenchError(Exception):

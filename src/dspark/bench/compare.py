@@ -17,8 +17,9 @@ divides by. Where either side has no standard error (one trial, a counter), it s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from dspark.bench import stats
 from dspark.bench.report import DecodeLevel, DecodeRequest, PrefillSummary, PrefillTrial, Report, fmt, md
@@ -253,7 +254,7 @@ def table(a: Report, b: Report) -> str:
             lines += ["", f"**{label} hit the prefix cache** at {', '.join(map(str, hit))} (n/a there): "
                       "the server had seen those prompts (a run with --shared-prefix-cache, or a server that ignores "
                       "vLLM's cache_salt); rerun without that flag, or restart the server before the run."]
-    missing = sorted((set(sa) ^ set(sb)))
+    missing = sorted(set(sa) ^ set(sb))
     if missing:
         lines += ["", f"Only in one report (left out): {', '.join(map(str, missing))}"]
     return "\n".join(lines) + "\n"

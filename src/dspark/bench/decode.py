@@ -14,16 +14,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable, cast
+from typing import cast
 
 from dspark.bench import prompts, stats
-from dspark.bench.client import (BenchError, ServerInfo, StreamResult, Target, describe, new_cache_salt, scrape,
-                                 stream_completion)
-from dspark.engine.metrics import Window, spec_decode, window
+from dspark.bench.client import (
+    BenchError,
+    ServerInfo,
+    StreamResult,
+    Target,
+    describe,
+    new_cache_salt,
+    scrape,
+    stream_completion,
+)
 from dspark.bench.progress import Progress, or_silent
 from dspark.bench.report import DecodeLevel, DecodeRequest, Report, now_iso
+from dspark.engine.metrics import Window, spec_decode, window
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
 # Requests per level = concurrency x rounds. One round left c=1 and c=2 on one and two

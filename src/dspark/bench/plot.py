@@ -3,8 +3,9 @@ display needed), so the rest of the bench runs without it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from dspark.bench.report import Report
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from dspark.bench import prompts, stats
 from dspark.bench.client import BenchError, ServerInfo, Target, describe, new_cache_salt, scrape, stream_completion
-from dspark.engine.metrics import Window, window
 from dspark.bench.progress import Progress, or_silent
 from dspark.bench.report import PrefillSummary, PrefillTrial, Report, now_iso
+from dspark.engine.metrics import Window, window
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 PURPOSE = "prefill"

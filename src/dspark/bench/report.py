@@ -17,7 +17,7 @@ import re
 import socket
 import typing
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ def _f(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None) ->
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 # ---------------------------------------------------------------------------------- prefill
@@ -159,7 +159,7 @@ class Report:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "report") -> "Report":
+    def from_dict(cls, data: Any, source: str = "report") -> Report:
         """Check every field against its declared type (finite numbers only) and refuse the
         report with the first wrong field named: a hand-edited or foreign file never reaches
         the comparison as a traceback."""
@@ -187,7 +187,7 @@ class Report:
         return path
 
     @classmethod
-    def load(cls, path: Path) -> "Report":
+    def load(cls, path: Path) -> Report:
         try:
             data = json.loads(Path(path).read_text())
         except OSError as e:

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from dspark.cli.common import fail
-from dspark.cli.options import config_option, parse_sizes
 from dspark.bench.client import REQUEST_TIMEOUT_S
 from dspark.bench.decode import DecodeSpec
 from dspark.bench.prefill import PrefillSpec
+from dspark.cli.common import fail
+from dspark.cli.options import config_option, parse_sizes
 
 if TYPE_CHECKING:  # annotations only: what click.progressbar() returns
     from click._termui_impl import ProgressBar
@@ -82,8 +83,8 @@ def without_userinfo(url: str) -> tuple[str, bool]:
 
 def resolve_target(config_path: Path | None, url: str | None, model: str | None,
                    timeout: float) -> tuple[Target, dict]:
-    from dspark.config.credentials import read_api_key
     from dspark.bench.client import Target
+    from dspark.config.credentials import read_api_key
 
     token = read_api_key()
     if url:
@@ -94,8 +95,8 @@ def resolve_target(config_path: Path | None, url: str | None, model: str | None,
             click.echo("bench: the user name and password in --url are left out (not sent, not recorded); "
                        "vLLM takes the API key as a bearer token: set DSPARK_API_KEY", err=True)
         return Target(url=url.rstrip("/"), model=model, token=token, timeout_s=timeout), {}
-    from dspark.config.schema import DEFAULT_CONFIG_PATH
     from dspark.cli.common import load_cluster
+    from dspark.config.schema import DEFAULT_CONFIG_PATH
 
     if config_path is None and not DEFAULT_CONFIG_PATH.exists():
         fail(f"no server named: pass --url URL (and --model NAME), or --config CLUSTER_FILE "

@@ -27,11 +27,11 @@ def dashboard(config_path: Path | None, host: str, port: int, token_file: Path |
               interval: float) -> None:
     """Live web dashboard of the pair (read-only; one poller for every open page)."""
     from dspark.cli.common import fail, load_cluster
-    from dspark.config.schema import ConfigError
     from dspark.config.credentials import read_api_key
-    from dspark.log import NOTICE, line
+    from dspark.config.schema import ConfigError
     from dspark.dashboard.collector import Collector, Targets
     from dspark.dashboard.server import DashboardError, default_token_file, load_token, serve
+    from dspark.log import NOTICE, line
 
     cluster = load_cluster(config_path)  # a bad cluster file: exit 2, as every command
     try:

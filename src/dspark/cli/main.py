@@ -334,9 +334,9 @@ def wait_worker_cmd(config_path: Path | None, timeout: float | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status_cmd(config_path: Path | None, as_json: bool) -> None:
     """Both nodes and the API in one table; exit 1 when the pair is not serving."""
-    from dspark.status import collect, render_table, to_json
     from dspark.config.credentials import read_api_key
     from dspark.local.appliance import LocalError, found_cluster_file  # /etc's, else the local appliance's
+    from dspark.status import collect, render_table, to_json
 
     try:
         config_path = found_cluster_file(config_path, say=lambda line: click.echo(line, err=True))

@@ -6,8 +6,9 @@ the units' drop-ins) reaches every one of them. `parse_sizes` reads a list of si
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import click
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -65,8 +66,8 @@ def run_switch(cluster: Cluster, state_dir: Path, line: str | None, history: boo
                timeout_s: float | None) -> None:
     from dspark.cli.common import fail
     from dspark.config.credentials import read_api_key
-    from dspark.switch import EXIT_CODES, Switcher, SwitchRefused, os_error_text
     from dspark.lines.history import RUNNING, read, table
+    from dspark.switch import EXIT_CODES, Switcher, SwitchRefused, os_error_text
 
     switcher = Switcher(cluster, state_dir, line or "", bench=bench, timeout_s=timeout_s,
                         progress=lambda m: click.echo(m), api_key=read_api_key())

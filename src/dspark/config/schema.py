@@ -353,7 +353,7 @@ class Cluster:
     def workers(self) -> list[NodeConfig]:
         return sorted((n for n in self.nodes if n.rank != 0), key=lambda n: n.rank)
 
-    def on_line(self, line: str) -> "Cluster":
+    def on_line(self, line: str) -> Cluster:
         """This cluster as a node runs it on runtime line `line`: the line's command from
         serving.line_commands (vllm_command for the file's own line when the table lacks it).
         Raises ConfigError for a line with no command here."""

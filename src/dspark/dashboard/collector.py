@@ -18,16 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from dspark.node import host_memory
-from dspark.node import states as A
-from dspark.node.agent_client import AgentAnswer, fetch_state, is_lost
-from dspark.engine import facts as F
 from dspark.config.schema import Cluster
-from dspark.net.http import HTTPFailure, request
-from dspark.node import hardware
 from dspark.dashboard import rates
 from dspark.dashboard.snapshot_model import UNREACHABLE
+from dspark.engine import facts as F
 from dspark.engine.metrics import MetricsError, Scrape, parse
+from dspark.net.http import HTTPFailure, request
+from dspark.node import hardware, host_memory
+from dspark.node import states as A
+from dspark.node.agent_client import AgentAnswer, fetch_state, is_lost
 
 SCHEMA_VERSION = 1
 # A node whose service fails exits right away (agent included), so its own "failed" answer is
@@ -71,7 +70,7 @@ class Targets:
 
 
     @classmethod
-    def from_cluster(cls, cluster: Cluster, local_node: str | None = None) -> "Targets":
+    def from_cluster(cls, cluster: Cluster, local_node: str | None = None) -> Targets:
         nodes = tuple(NodeTarget(n.name, n.rank, "head" if n.is_head else "worker", n.agent_url)
                       for n in sorted(cluster.nodes, key=lambda n: n.rank))
         return cls(api_url=cluster.head.api_url.rstrip("/"), nodes=nodes, local_node=local_node,
@@ -124,7 +123,7 @@ class Collector:
         self._render(time.monotonic(), None, "not polled yet", {})
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self) -> "Collector":
+    def start(self) -> Collector:
         self._thread.start()
         return self
 

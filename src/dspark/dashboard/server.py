@@ -23,18 +23,18 @@ import re
 import signal
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dspark import __version__
-from dspark.net.server import BoundedHTTPServer, discard_body
-from dspark.files.safe_read import MAX_SECRET_BYTES, read_text
-from dspark.node.signals import SignalQueue
 from dspark.dashboard.collector import Collector
 from dspark.dashboard.snapshot_model import schema_json
+from dspark.files.safe_read import MAX_SECRET_BYTES, read_text
+from dspark.net.server import BoundedHTTPServer, discard_body
+from dspark.node.signals import SignalQueue
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8899
@@ -165,7 +165,7 @@ class DashboardServer:
         h = self.host if ":" not in self.host else f"[{self.host.strip('[]')}]"
         return f"http://{h}:{self.port}"
 
-    def start(self) -> "DashboardServer":
+    def start(self) -> DashboardServer:
         self.thread.start()
         return self
 

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from dspark.node import states as S
 from dspark.config.typecheck import about, json_schema
+from dspark.node import states as S
 
 SCHEMA_ID = "dspark-dashboard-snapshot-v1"
 UNREACHABLE = "unreachable"  # a node state of the dashboard's own: an agent that never answered

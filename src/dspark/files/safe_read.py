@@ -19,8 +19,9 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 MAX_JSON_DEPTH = 64  # an agent's /state nests 4 levels, a model's config.json fewer than 10
 MAX_MODEL_CONFIG_BYTES = 4 * 1024 * 1024   # a model's config.json is a few KiB

@@ -29,9 +29,10 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, TypeVar
+from typing import BinaryIO, TypeVar
 
 from dspark import log as L
 from dspark.files.safe_read import FileTooLarge, NotRegularFile, file_kind, open_regular, read_at_most

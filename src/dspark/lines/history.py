@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from dspark.lines import state as line_state
-from dspark.files import state_io
 from dspark import log as L
+from dspark.files import state_io
 from dspark.files.safe_read import parse_json
+from dspark.lines import state as line_state
 
 
 class _Timings(Protocol):

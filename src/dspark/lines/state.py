@@ -47,7 +47,7 @@ class Switch:
                 "owner_pid": self.owner_pid, "owner_start": self.owner_start}
 
     @classmethod
-    def from_json(cls, d: object) -> "Switch | None":
+    def from_json(cls, d: object) -> Switch | None:
         if not isinstance(d, dict):
             return None
         try:

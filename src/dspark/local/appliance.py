@@ -16,23 +16,25 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from dspark.files import state_io
-from dspark.node import states as A
-from dspark.config.schema import Cluster, ConfigError, DEFAULT_CONFIG_PATH, GIB, NodeConfig, SupervisorConfig
-from dspark.config.template import dumps
 from dspark.config import validate as C
+from dspark.config.schema import DEFAULT_CONFIG_PATH, GIB, Cluster, ConfigError, NodeConfig, SupervisorConfig
+from dspark.config.template import dumps
+from dspark.files import state_io
 from dspark.lines import state as line_state
+from dspark.local import model as local_model
+from dspark.local import vision as local_vision
+from dspark.local.model import TINY_MODEL
+from dspark.node import states as A
+from dspark.node.agent_client import agent_state
 from dspark.node.notify import NOTIFY_ENV
 from dspark.node.signals import SignalQueue
 from dspark.node.vllm_process import end_group
-from dspark.node.agent_client import agent_state
 from dspark.status import LOCAL_HEADER, cli_command
-from dspark.local import model as local_model, vision as local_vision
-from dspark.local.model import TINY_MODEL
 
 if TYPE_CHECKING:
     from dspark.preflight import Host
@@ -313,7 +315,7 @@ class DirLock:
         self.fd = -1
 
 
-def take_dir(workdir: Path, progress: "Progress" = print) -> DirLock:
+def take_dir(workdir: Path, progress: Progress = print) -> DirLock:
     """Hold `workdir` for this process's appliance, before anything in it is written: refused,
     naming the PID, while another appliance holds it; a lock left by one that died (the kernel
     released its flock, its PID is still written) is taken over, and `progress` says so."""
@@ -434,7 +436,7 @@ def _is_dspark(pid: int) -> bool:
         return False
 
 
-def down(workdir: Path, timeout_s: float | None = None, progress: "Progress" = print) -> float:
+def down(workdir: Path, timeout_s: float | None = None, progress: Progress = print) -> float:
     """Stop the appliance running from `workdir`: SIGTERM to the PID in its lock (the Ctrl-C of
     `local up`: the head first, then every node), then wait up to `timeout_s` (default: its
     stop's bound) for the lock to be released. Returns the seconds it took; LocalError when
@@ -476,7 +478,7 @@ def _wait_stopped(stopped: Callable[[], bool], t0: float, bound: float) -> float
     return None
 
 
-def _stop_left_behind(workdir: Path, pids: list[int], timeout_s: float | None, progress: "Progress",
+def _stop_left_behind(workdir: Path, pids: list[int], timeout_s: float | None, progress: Progress,
                       last: str) -> float:
     """SIGTERM every supervisor a killed `local up` left running from `workdir` (each stops its
     vLLM, a head after its drain), and wait for every one to end."""

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from dspark.files.safe_read import MAX_JSON_DEPTH, JSONRefused, parse_json as _parse_json
+from dspark.files.safe_read import MAX_JSON_DEPTH, JSONRefused
+from dspark.files.safe_read import parse_json as _parse_json
 
 if TYPE_CHECKING:  # annotations only: at run time httpx is imported where it is used
     import ssl

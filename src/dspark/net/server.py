@@ -29,8 +29,9 @@ import socketserver
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 SOCKET_TIMEOUT_S = 10.0  # a whole request, from the accept: its head, its body, the answer's writes
 MAX_CONNECTIONS = 32     # handler threads: requests whose head is complete

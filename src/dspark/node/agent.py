@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -25,7 +26,6 @@ from dspark.net.server import BoundedHTTPServer, discard_body
 from dspark.node.states import (
     STATES,
 )
-
 
 # What generate_latest writes: the text format 0.0.4 (prometheus_client's CONTENT_TYPE_LATEST names a
 # newer one in its recent releases).
@@ -175,7 +175,7 @@ class Agent:
     def port(self) -> int:
         return self.server.server_address[1]
 
-    def start(self) -> "Agent":
+    def start(self) -> Agent:
         self.thread.start()
         return self
 

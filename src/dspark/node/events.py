@@ -130,6 +130,6 @@ class Limits:
     stop_grace_s: float = 30.0  # and vLLM then has this long to exit
 
     @classmethod
-    def of(cls, sup: SupervisorConfig) -> "Limits":
+    def of(cls, sup: SupervisorConfig) -> Limits:
         return cls(sup.ready_timeout_s, sup.liveness_interval_s, sup.head_lost_s, sup.rendezvous_timeout_s,
                    sup.worker_wait_timeout_s, sup.drain_s, sup.stop_grace_s)

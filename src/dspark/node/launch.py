@@ -6,15 +6,15 @@ import json
 import math
 import os
 import shlex
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from dspark.lines import runtime as runtime_lines
-from dspark.config.validate import ENV_NAME
 from dspark.config.flags import Form, of_form
 from dspark.config.schema import Cluster, NodeConfig
 from dspark.config.secret_policy import redact_args, redact_env
+from dspark.config.validate import ENV_NAME
+from dspark.lines import runtime as runtime_lines
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 from urllib.parse import urlsplit
 
 from dspark.engine import facts as vllm_facts
-from dspark.node.agent_client import AgentAnswer, fetch_state
 from dspark.net.http import HTTPFailure, get_object, request
+from dspark.node.agent_client import AgentAnswer, fetch_state
 from dspark.node.events import ReadyProbe, Round
 from dspark.node.liveness import LivenessJudge, Progress, read_progress
 from dspark.node.port_owner import foreign_listener

@@ -15,8 +15,9 @@ import signal
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: nothing more to import at run time
+    from collections.abc import Callable, Iterable
     from types import FrameType
-    from typing import Any, Callable, Iterable
+    from typing import Any
 
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 WAKE = 0  # not a signal: a background probe has finished, look now rather than at the next tick
@@ -30,7 +31,7 @@ class SignalQueue:
         self.first: int | None = None  # the first signal received, kept after get() took it
         self.received = 0  # how many signals arrived (a second Ctrl-C: `local up` kills at once)
 
-    def install(self, signals: Iterable[int] = HANDLED) -> "SignalQueue":
+    def install(self, signals: Iterable[int] = HANDLED) -> SignalQueue:
         for sig in signals:
             old = signal.signal(sig, self._record)
             self._old.setdefault(sig, old)

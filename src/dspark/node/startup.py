@@ -20,9 +20,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from dspark import log as L
 from dspark.config.credentials import api_key_refusal, read_api_key

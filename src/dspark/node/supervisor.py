@@ -22,25 +22,26 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TextIO, assert_never
+from typing import TextIO, assert_never
 
-from dspark.node import hardware
-from dspark.lines import state as line_state
-from dspark.files import state_io
-from dspark.lines import history as switch_history
 from dspark import log as L
+from dspark.config.schema import Cluster, NodeConfig, SupervisorConfig
+from dspark.files import state_io
+from dspark.files.safe_read import parse_json
+from dspark.lines import history as switch_history
+from dspark.lines import state as line_state
+from dspark.node import hardware
 from dspark.node import states as S
 from dspark.node.agent import Agent
-from dspark.config.schema import Cluster, NodeConfig, SupervisorConfig
-from dspark.node.liveness import LivenessJudge
 from dspark.node.events import Action, ActionKind, Events, History, Limits, Peer, Phase
-from dspark.node.policy import EXIT_DIED, EXIT_OK, NodePolicy
+from dspark.node.launch import Launch, render
+from dspark.node.liveness import LivenessJudge
 from dspark.node.notify import Notifier
+from dspark.node.policy import EXIT_DIED, EXIT_OK, NodePolicy
 from dspark.node.probes import Background, VllmProbes, liveness_round, poll_agents, ready_probe
 from dspark.node.rdma import resolve_gid_index
-from dspark.node.launch import Launch, render
-from dspark.files.safe_read import parse_json
 from dspark.node.signals import SignalQueue
 from dspark.node.vllm_process import GROUP_GONE_S, VllmProcess
 

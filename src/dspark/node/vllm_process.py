@@ -22,12 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import Callable, Iterable, TextIO
+from collections.abc import Callable, Iterable, Sequence
+from typing import TextIO
 
-from dspark.node.notify import child_env
-from dspark.node.launch import Launch
 from dspark.engine.log import ShutdownLog
+from dspark.node.launch import Launch
+from dspark.node.notify import child_env
 from dspark.node.stages import next_stage
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

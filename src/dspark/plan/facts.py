@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 from dspark.files.safe_read import (
     MAX_MODEL_CONFIG_BYTES,

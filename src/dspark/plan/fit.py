@@ -8,8 +8,8 @@ from typing import Any
 
 from dspark.plan.facts import DSV4_RUNTIME_OVERHEAD_BYTES, GiB, ModelFacts, load_model_facts
 from dspark.plan.inputs import PlanInputs
-from dspark.plan.weights import WeightSplit, split_weights
 from dspark.plan.kv_layout import KVLayout, kv_layout
+from dspark.plan.weights import WeightSplit, split_weights
 
 # --------------------------------------------------------------------------
 # The plan

@@ -7,9 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.plan.facts import (GB10_USABLE_MEMORY_BYTES, PlanError, SEED_ASYNC_SCHEDULING, SEED_GPU_MEMORY_UTILIZATION,
-                               SEED_LONG_PREFILL_TOKEN_THRESHOLD, SEED_MAX_MODEL_LEN, SEED_MAX_NUM_BATCHED_TOKENS,
-                               SEED_MAX_NUM_SEQS)
+from dspark.plan.facts import (
+    GB10_USABLE_MEMORY_BYTES,
+    SEED_ASYNC_SCHEDULING,
+    SEED_GPU_MEMORY_UTILIZATION,
+    SEED_LONG_PREFILL_TOKEN_THRESHOLD,
+    SEED_MAX_MODEL_LEN,
+    SEED_MAX_NUM_BATCHED_TOKENS,
+    SEED_MAX_NUM_SEQS,
+    PlanError,
+)
 
 
 @dataclass(frozen=True)

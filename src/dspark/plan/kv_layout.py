@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from dspark.plan.facts import ModelFacts, PlanError, _DEFAULT_BLOCK_SIZE, _DSV4_DEFAULT_BLOCK_SIZE, _KV_DTYPE_BYTES
+from dspark.plan.facts import _DEFAULT_BLOCK_SIZE, _DSV4_DEFAULT_BLOCK_SIZE, _KV_DTYPE_BYTES, ModelFacts, PlanError
 from dspark.plan.inputs import PlanInputs
 
 # --------------------------------------------------------------------------

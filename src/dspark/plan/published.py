@@ -43,16 +43,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Callable, cast
+from typing import TYPE_CHECKING, cast
 
+from dspark.plan import published_v41
 from dspark.plan.facts import GiB, ModelFacts, PlanError, TensorInfo
 from dspark.plan.published_blocks import Tensors
 from dspark.plan.published_vision import Tensor, replicated_by_vllm, vision_tensors
-from dspark.plan import published_v41
 
 if TYPE_CHECKING:
     from dspark.config.schema import Cluster, ServingConfig

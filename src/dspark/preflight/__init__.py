@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from dspark.config.schema import Cluster, NodeConfig
 from dspark.preflight.result import Check, Report, fail, ok, warn
@@ -64,12 +65,12 @@ def _guard(name: str, fn: Callable[[], list[Check]]) -> list[Check]:
 
 def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
     """Every check for `node` on this host, in the order a reader fixes them."""
-    from dspark.units.names import USER
-    from dspark.units import user as U
     from dspark.preflight import host as H
     from dspark.preflight import model_dir as M
     from dspark.preflight import net as N
     from dspark.preflight import peer as P
+    from dspark.units import user as U
+    from dspark.units.names import USER
 
     host = host or Host()
     report = Report(node.name)

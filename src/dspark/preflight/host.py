@@ -6,8 +6,8 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from dspark.preflight.result import Check, fail, ok, warn
 

@@ -10,9 +10,9 @@ import ipaddress
 import socket
 import struct
 import tomllib
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Mapping
 
 from dspark.config.schema import NodeConfig
 from dspark.preflight.result import Check, fail, ok, warn

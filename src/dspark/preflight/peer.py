@@ -15,9 +15,9 @@ import socket
 import struct
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from dspark.config.schema import Cluster, NodeConfig
 from dspark.files.safe_read import MAX_MODEL_CONFIG_BYTES, MAX_MODEL_INDEX_BYTES, read_bytes

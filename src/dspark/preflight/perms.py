@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark.config.schema import Cluster
-from dspark.units.user import ServiceUser
 from dspark.preflight.result import Check, ok, warn
+from dspark.units.user import ServiceUser
 
 MAX_ENTRIES = 50_000  # a model directory or the vllm package: a few thousand entries
 SHOWN = 3

@@ -8,8 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from dspark.files import state_io
 from dspark.units.names import SYSTEM_UNIT_DIR, SYSUSERS_FILE, USER

@@ -22,7 +22,8 @@ import secrets
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # ASGI's types, spelled out here: this file imports no dspark and no Starlette types
-    from typing import Any, Awaitable, Callable, MutableMapping
+    from collections.abc import Awaitable, Callable, MutableMapping
+    from typing import Any
 
     Scope = MutableMapping[str, Any]
     Message = MutableMapping[str, Any]
