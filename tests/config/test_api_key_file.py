@@ -101,7 +101,8 @@ def test_the_units_dspark_renders_load_no_credential_for_a_worker():
     """`dspark systemd render/install` (hosts without the NixOS module): no unit file and no
     worker drop-in loads a credential (an operator who wants the key adds LoadCredential= to the
     head's unit alone)."""
-    from dspark.units.render import NodeRole, node_dropins, render_units
+    from dspark.units.dropins import NodeRole, node_dropins
+    from dspark.units.render import render_units
 
     files = render_units("/opt/dspark/bin/dspark")
     for role in ([NodeRole("spark-b", False)], [NodeRole("w1", False), NodeRole("w2", False)]):

@@ -30,7 +30,7 @@ from dspark.local.appliance import (
     node_address,
     node_name,
 )
-from dspark.units.render import NodeRole, node_units
+from dspark.units.dropins import NodeRole, node_units
 from tests.harness.nspawn_container import ROOT, Container
 from tests.harness.pair import count_head_starts, pick_ports, record_start_ups  # shared with the pair tests
 

@@ -15,6 +15,7 @@ import pytest
 from dspark.config.schema import SupervisorConfig
 from dspark.local.appliance import LocalPorts, prepare
 from dspark.node.policy import BACKOFF_MAX_S, backoff_delay
+from dspark.units.dropins import NodeRole, node_dropins, node_units
 from dspark.units.names import (
     DASHBOARD,
     HEAD,
@@ -28,16 +29,7 @@ from dspark.units.names import (
     WORKER,
     WORKER_TEMPLATE,
 )
-from dspark.units.render import (
-    START_LIMIT,
-    START_TIMEOUT,
-    WATCHDOG_S,
-    NodeRole,
-    exec_quote,
-    node_dropins,
-    node_units,
-    render_units,
-)
+from dspark.units.render import START_LIMIT, START_TIMEOUT, WATCHDOG_S, exec_quote, render_units
 
 ROOT = Path(__file__).resolve().parents[2]
 DSPARK_BIN = str(Path(sys.executable).parent / "dspark")

@@ -11,9 +11,10 @@ import click
 
 from dspark.cli.common import fail, load_cluster, pick_node
 from dspark.cli.options import config_option
+from dspark.units.dropins import NodeRole, node_dropins, node_units
 from dspark.units.install import default_dspark_bin, install, systemd_running, unexecutable, write_files
 from dspark.units.names import DEFAULT_CONFIG, USER
-from dspark.units.render import NodeRole, node_dropins, node_units, render_units
+from dspark.units.render import render_units
 
 if TYPE_CHECKING:
     from dspark.config.schema import Cluster

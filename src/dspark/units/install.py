@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dspark.files import state_io
+from dspark.units.dropins import NodeRole, node_dropins
 from dspark.units.names import SYSTEM_UNIT_DIR, SYSUSERS_FILE, USER
-from dspark.units.render import NodeRole, node_dropins, render_units, sysusers
+from dspark.units.render import render_units, sysusers
 
 
 def default_dspark_bin() -> str:

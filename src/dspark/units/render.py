@@ -18,7 +18,7 @@ This module renders (pure text); `unit_install` writes and reloads, `units_cli` 
 The units name no node and no cluster: `dspark serve` reads DSPARK_NODE and DSPARK_CONFIG
 from its environment. The NixOS module sets them in the units it enables (the package ships
 these texts under lib/systemd/system); on other hosts `dspark systemd install --node NAME`
-writes the units plus a drop-in per node (`node_dropins`). A host runs its one worker as
+writes the units plus a drop-in per node (`units.dropins.node_dropins`). A host runs its one worker as
 dspark-worker.service, and several workers as instances of dspark-worker@.service (each
 with its own state directory). A host that runs the head and some of its workers gets one
 more drop-in that orders the head (and wait-worker) directly after those local workers.
@@ -46,16 +46,11 @@ never restarts; the head would stay down. The local-nodes drop-in's Wants=/After
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from dspark.units.names import (
     CACHE_ENV,
     DASHBOARD,
     DEFAULT_CONFIG,
     HEAD,
-    INSTANCE_CHARS,
-    LOCAL_PAIR_DROPIN,
-    NODE_DROPIN,
     READY_TARGET,
     USER,
     WAIT_WORKER,
@@ -94,7 +89,7 @@ DEVICES = (
 )
 
 
-def _section(name: str, lines: list[str]) -> str:
+def section(name: str, lines: list[str]) -> str:
     return f"[{name}]\n" + "\n".join(lines) + "\n"
 
 
@@ -297,8 +292,8 @@ def node_service(role: str, dspark_bin: str, template: bool = False) -> str:
         what = f"{WORKER_TEMPLATE}: one of this host's worker nodes of a dspark cluster (instance: the node's name)."
     else:
         what = f"dspark-{role}.service: this host's {role} node of a dspark cluster."
-    return _unit(_section("Unit", unit), _section("Service", service),
-                 _section("Install", ["WantedBy=multi-user.target"]),
+    return _unit(section("Unit", unit), section("Service", service),
+                 section("Install", ["WantedBy=multi-user.target"]),
                  header=_header(what))
 
 
@@ -310,7 +305,7 @@ def ready_target() -> str:
         "# Re-checked on the next start of the head once nothing needs it.",
         "StopWhenUnneeded=yes",
     ]
-    return _unit(_section("Unit", unit), header=_header(f"{READY_TARGET}: reached by {WAIT_WORKER}."))
+    return _unit(section("Unit", unit), header=_header(f"{READY_TARGET}: reached by {WAIT_WORKER}."))
 
 
 def wait_worker_service(dspark_bin: str) -> str:
@@ -336,7 +331,7 @@ def wait_worker_service(dspark_bin: str) -> str:
         "",
         *_common_hardening(devices=False),
     ]
-    return _unit(_section("Unit", unit), _section("Service", service),
+    return _unit(section("Unit", unit), section("Service", service),
                  header=_header(f"{WAIT_WORKER}: the oneshot behind {READY_TARGET}."))
 
 
@@ -357,8 +352,8 @@ def dashboard_service(dspark_bin: str) -> str:
         "",
         *_common_hardening(devices=False),
     ]
-    return _unit(_section("Unit", unit), _section("Service", service),
-                 _section("Install", ["WantedBy=multi-user.target"]),
+    return _unit(section("Unit", unit), section("Service", service),
+                 section("Install", ["WantedBy=multi-user.target"]),
                  header=_header(f"{DASHBOARD}: a read-only client of the agents and the head's API."))
 
 
@@ -372,88 +367,6 @@ def render_units(dspark_bin: str) -> dict[str, str]:
         WAIT_WORKER: wait_worker_service(dspark_bin),
         DASHBOARD: dashboard_service(dspark_bin),
     }
-
-
-@dataclass(frozen=True)
-class NodeRole:
-    name: str
-    is_head: bool
-
-
-def worker_instance(name: str) -> str:
-    """dspark-worker@NAME.service: the instance of the template that runs worker node NAME."""
-    if not name or not set(name) <= INSTANCE_CHARS:
-        bad = "".join(sorted(set(name) - INSTANCE_CHARS)) or "an empty name"
-        raise ValueError(f"node {name!r} cannot name a {WORKER_TEMPLATE} instance ({bad!r} is not allowed): "
-                         "a host running several workers names each unit and state directory by its node; "
-                         "use letters, digits and - _ . : in the node names")
-    return WORKER_TEMPLATE.replace("@", f"@{name}")
-
-
-def node_units(nodes: list[NodeRole]) -> dict[str, str]:
-    """Node name -> the unit that runs it on this host: the head's, dspark-worker.service for
-    a host's one worker, an instance of dspark-worker@.service each for several."""
-    workers = [n for n in nodes if not n.is_head]
-    return {n.name: HEAD if n.is_head else WORKER if len(workers) == 1 else worker_instance(n.name)
-            for n in nodes}
-
-
-def node_dropins(nodes: list[NodeRole], config_path: str = DEFAULT_CONFIG) -> dict[str, str]:
-    """Relative path -> text of the drop-ins for the nodes this host runs.
-
-    Each node's unit gets its DSPARK_NODE and DSPARK_CONFIG; the head's helpers get the
-    cluster file; a host running the head and some of its workers orders the head (and
-    wait-worker) after every one of them (systemd ordering works within a host)."""
-    heads = [n for n in nodes if n.is_head]
-    workers = [n for n in nodes if not n.is_head]
-    if len(heads) > 1:
-        raise ValueError("a cluster has one head (rank 0): " + ", ".join(n.name for n in heads) + " are all heads")
-    names = [n.name for n in nodes]
-    if len(set(names)) != len(names):
-        raise ValueError("each node once: " + ", ".join(sorted({x for x in names if names.count(x) > 1}))
-                         + " given more than once")
-    units = node_units(nodes)
-    env = _environment("DSPARK_CONFIG", config_path)
-    out: dict[str, str] = {}
-    for n in nodes:
-        out[f"{units[n.name]}.d/{NODE_DROPIN}"] = (
-            f"# Written by `dspark systemd install`: this host runs node {n.name!r}.\n"
-            + _section("Service", [_environment("DSPARK_NODE", n.name), env]))
-    if heads:
-        for unit in (WAIT_WORKER, DASHBOARD):
-            out[f"{unit}.d/{NODE_DROPIN}"] = ("# Written by `dspark systemd install`: the cluster file.\n"
-                                              + _section("Service", [env]))
-    if len(nodes) > 1:
-        local = [units[w.name] for w in workers]
-        why = ("# Written by `dspark systemd install`: this host runs several nodes ("
-               + ", ".join(names) + ").\n")
-        # Their vLLMs see one /dev/shm, so vLLM treats them as one node and also talks over
-        # IPC sockets in /tmp: a private /tmp per unit would hang the rendezvous. They share
-        # the host's /tmp instead (still writable under ProtectSystem=strict).
-        shared_tmp = ["# Several nodes on one host: vLLM's IPC sockets in /tmp must be shared (one /dev/shm).",
-                      "PrivateTmp=no", "ReadWritePaths=/tmp /var/tmp"]
-        for w in workers:
-            out[f"{units[w.name]}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Service", shared_tmp)
-        if heads:
-            order = ["# `systemctl start dspark-head` starts this host's workers first (READY=1: in the",
-                     "# rendezvous); workers on other hosts are waited for by dspark-wait-worker.",
-                     "Wants=" + " ".join(local), "After=" + " ".join(local)]
-            out[f"{HEAD}.d/{LOCAL_PAIR_DROPIN}"] = (why + _section("Unit", order) + "\n"
-                                                    + _section("Service", shared_tmp))
-            out[f"{WAIT_WORKER}.d/{LOCAL_PAIR_DROPIN}"] = why + _section("Unit", ["After=" + " ".join(local)])
-    return out
-
-
-def _environment(name: str, value: str) -> str:
-    """An Environment= line. systemd splits its value at blanks unless the assignment is in
-    double quotes, where it reads C escapes (\\ and \"); it resolves specifiers (%) but not
-    variables ($ is plain). A path with a space is fine; a newline or NUL cannot be written."""
-    if any(c in value for c in "\n\r\0"):
-        raise ValueError(f"unsupported character (newline or NUL) in {value!r} for a unit file")
-    assignment = f"{name}={value}".replace("%", "%%")
-    if any(c in assignment for c in " \t\"'\\"):
-        assignment = '"' + assignment.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return f"Environment={assignment}"
 
 
 def sysusers() -> str:
