@@ -99,7 +99,7 @@ def test_the_collector_merges_rings_once_each_and_in_time_order(metrics_stand_in
         assert [(e["node"], e["kind"]) for e in snap["events"]] == [
             ("a", "start"), ("b", "start"), ("a", "serving"), ("b", "serving"), ("b", "liveness"),
             ("a", "drain"), ("a", "stopped")]
-        assert len(col.events) == 7 and {e["by"] for e in snap["events"]} == {"node"}
+        assert len(col.timeline.events) == 7 and {e["by"] for e in snap["events"]} == {"node"}
         agents["b"].stop()  # gone without a word: the dashboard says so in the timeline, once
         col.tick()
         snap = col.tick()
