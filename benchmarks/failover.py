@@ -33,7 +33,7 @@ import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from dspark.local.appliance import HEAD_NAME, SERVED_NAME, node_name  # noqa: E402
+from dspark.local.cluster import HEAD_NAME, SERVED_NAME, node_name  # noqa: E402
 from tests.harness.appliance import Appliance, install  # noqa: E402
 from tests.harness.nspawn_container import Container, missing_requirements  # noqa: E402
 from tests.harness.pair import node_counts_arg  # noqa: E402

@@ -185,9 +185,9 @@ def grid_cases() -> list[dict]:
 
 def grid_lines() -> dict[str, tuple[Path, str]]:
     """line -> (its vLLM site directory, its Python) for each runtime line installed here: the
-    default line in this environment, the others under dspark.local.appliance.lines_dir()."""
+    default line in this environment, the others under dspark.local.cluster.lines_dir()."""
     from dspark.lines import runtime as runtime_lines
-    from dspark.local.appliance import lines_dir
+    from dspark.local.cluster import lines_dir
 
     lines = runtime_lines.load()
     out = {lines.default: (_site_packages(), sys.executable)}

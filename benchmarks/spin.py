@@ -45,7 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from dspark.local import appliance as L  # noqa: E402
+from dspark.local import cluster as L  # noqa: E402
 from tests.harness.pair import kill_leftovers, start_pair  # noqa: E402  (shared with the tests)
 
 ENV = "VLLM_SHM_BROADCAST_BUSY_LOOP_S"

@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 
 from dspark.config import validate as C  # noqa: E402
-from dspark.local import appliance as L  # noqa: E402
+from dspark.local import cluster as L  # noqa: E402
 from dspark.node.launch import render  # noqa: E402
 from dspark.node.notify import child_env  # noqa: E402
 from tests.harness.pair import node_counts_arg, pick_ports  # noqa: E402  (shared with the tests)

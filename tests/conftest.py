@@ -31,7 +31,7 @@ def local_pair(tmp_path_factory):
     the few that change it, which run last (`shared_pair_last`): the switches, then the drain's
     Ctrl-C. Where the second runtime line is installed, the pair knows it behind the switch
     tests' wrapper (switch_lib), in mode ok: the real vLLM of that line (`pair.lines`)."""
-    from dspark.local import appliance as local
+    from dspark.local import cluster as local
     from tests.harness.switch import second_line_wrapped
 
     lines = second_line_wrapped(tmp_path_factory.mktemp("lines"))

@@ -135,7 +135,7 @@ def _cli(*args: str, env=None) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def cluster_file(tmp_path):
-    from dspark.local.appliance import LocalPorts, prepare
+    from dspark.local.cluster import LocalPorts, prepare
 
     return prepare(tmp_path / "local", LocalPorts(api=1, master=2, agent=3))
 

@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.local.appliance import (
+from dspark.local.cluster import (
     DEFAULT_NODES,
     HEAD_NAME,
     LINES_DIR_ENV,
@@ -250,7 +250,7 @@ def install(box: Container, ports: LocalPorts | None = None, nodes: int = DEFAUL
     # line's under DSPARK_LINES_DIR (without `lines`, as the caller's environment has it).
     env = {**os.environ, LINES_DIR_ENV: LINES} if lines else None
     box.run(python, "-c", "import sys; from pathlib import Path; "
-            "from dspark.local.appliance import prepare, LocalPorts; "
+            "from dspark.local.cluster import prepare, LocalPorts; "
             f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api={ports.api}, master={ports.master}, "
             f"agent={ports.agent}), nodes={nodes})", timeout=60, check=True, env=env)
     app = Appliance(box, ports, user_note=f"units run as user dspark from {how}", nodes=nodes, dspark=dspark,

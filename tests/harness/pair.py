@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dspark.local.appliance import LocalPorts
+    from dspark.local.cluster import LocalPorts
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -35,7 +35,7 @@ def count_head_starts(head_log: str) -> int:
 
 def local_head_log(workdir: Path) -> str:
     """The head supervisor's log of a `local up --dir workdir` (empty before it has one)."""
-    from dspark.local.appliance import node_name
+    from dspark.local.cluster import node_name
 
     try:
         return (workdir / "logs" / f"{node_name(0)}.log").read_text(errors="replace")
@@ -112,7 +112,8 @@ def get_json(url: str, timeout: float = 2.0):
 
 
 def pick_ports(nodes: int = 2) -> LocalPorts:
-    from dspark.local.appliance import LocalError, LocalPorts, check_ports_free
+    from dspark.local.cluster import LocalError, LocalPorts
+    from dspark.local.lock import check_ports_free
 
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(50):
@@ -130,7 +131,7 @@ def node_counts_arg(text: str) -> list[int]:
     """A benchmark's `--nodes 2,4`: the node counts the local appliance runs (argparse type)."""
     import argparse
 
-    from dspark.local.appliance import valid_node_counts
+    from dspark.local.cluster import valid_node_counts
 
     try:
         counts = [int(x) for x in text.split(",") if x.strip()]
@@ -157,7 +158,7 @@ class PairHandle:
     @property
     def names(self) -> list[str]:
         """Every node's name, by rank (the head's first)."""
-        from dspark.local.appliance import node_name
+        from dspark.local.cluster import node_name
 
         return [node_name(r) for r in range(self.nodes)]
 
@@ -170,7 +171,7 @@ class PairHandle:
         return f"http://127.0.0.1:{self.ports.api}"
 
     def agent_url(self, node: str) -> str:
-        from dspark.local.appliance import node_address
+        from dspark.local.cluster import node_address
 
         return f"http://{node_address(self.names.index(node))}:{self.ports.agent}"
 

@@ -83,7 +83,7 @@ def second_line_wrapped(lines: Path) -> Path | None:
     """LINES (`lines`) holding the second runtime line's `bin/vllm` as the wrapper running that
     line's real vLLM (.ci/setup installs it), the mode file (ok) and the throttle beside it; None
     where that line is not installed."""
-    from dspark.local import appliance as local
+    from dspark.local import cluster as local
 
     real = local.lines_dir() / B / "bin" / "vllm"
     if not real.exists():

@@ -18,7 +18,7 @@ from dspark.config import validate as C
 from dspark.config.schema import Cluster
 from dspark.config.template import dumps
 from dspark.lines import runtime as runtime_lines
-from dspark.local import appliance as local
+from dspark.local import cluster as local
 from dspark.local.model import TINY_MODEL
 from dspark.node import states as S
 from dspark.node.agent import Agent

@@ -311,8 +311,8 @@ def site_of(version: str) -> Path | None:
     site = os.environ.get(f"DSPARK_VLLM_{version.replace('.', '')[:3]}_SITE")
     if site:
         return Path(site)
-    # The line's CPU build as .ci/setup installs it, beside .venv (dspark.local.appliance.lines_dir).
-    from dspark.local.appliance import lines_dir
+    # The line's CPU build as .ci/setup installs it, beside .venv (dspark.local.cluster.lines_dir).
+    from dspark.local.cluster import lines_dir
 
     found = sorted((lines_dir() / f"v{version}").glob("lib/python3*/site-packages/vllm"))
     return found[0].parent if found else None  # None while .ci/setup is still installing it

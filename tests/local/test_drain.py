@@ -21,7 +21,7 @@ import pytest
 from dspark.config import validate as C
 from dspark.engine.facts import RUNNING
 from dspark.engine.metrics import parse_samples
-from dspark.local import appliance as L
+from dspark.local import cluster as L
 from dspark.node import states as S
 from dspark.node.events import Events
 from dspark.node.policy import EXIT_DIED, EXIT_OK

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from dspark.lines import runtime as runtime_lines
-from dspark.local import appliance as local
+from dspark.local import cluster
+from dspark.local import lock as dirlock
 from tests.harness.pair import ROOT, dspark_cmd, kill_leftovers, pick_ports, run_dspark
 from tests.harness.standin import STANDIN
 
@@ -39,7 +40,7 @@ def standin_line(tmp_path) -> tuple[str, dict[str, str]]:
     exe.parent.mkdir(parents=True)
     exe.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(STANDIN))} \"$@\"\n")
     exe.chmod(0o755)
-    return line, {**os.environ, local.LINES_DIR_ENV: str(tmp_path / "lines")}
+    return line, {**os.environ, cluster.LINES_DIR_ENV: str(tmp_path / "lines")}
 
 
 class Appliances:
@@ -100,7 +101,7 @@ def test_a_second_up_is_refused_naming_the_pid_and_down_stops_the_first(applianc
     workdir = appliances.workdir
     first = appliances.start(dspark_cmd(*appliances.up_args(pick_ports())), tmp_path / "first.out")
     before, logs = snapshot(workdir), sorted(p.name for p in (workdir / "logs").iterdir())
-    assert (workdir / local.LOCK_NAME).read_text().strip() == str(first.pid)
+    assert (workdir / dirlock.LOCK_NAME).read_text().strip() == str(first.pid)
     assert {"state/local-head/starts", "state/local-worker/starts"} <= set(before), sorted(before)
 
     # Other ports: once it started anyway, rewrote the cluster file, rotated the logs, deleted the state.
@@ -126,8 +127,8 @@ def test_a_second_up_is_refused_naming_the_pid_and_down_stops_the_first(applianc
     assert time.monotonic() - t0 < DEADLINE_S
     out = (tmp_path / "first.out").read_text()
     assert "stopped; no process left behind" in out, out
-    assert (workdir / local.LOCK_NAME).read_text() == ""  # a clean stop leaves no PID to call stale
-    assert local.left_behind(workdir) == []
+    assert (workdir / dirlock.LOCK_NAME).read_text() == ""  # a clean stop leaves no PID to call stale
+    assert dirlock.left_behind(workdir) == []
 
     # Nothing runs there now: refused clearly; status says so and what starts it.
     d = appliances.run("local", "down", "--dir", str(workdir), timeout=60)
@@ -140,11 +141,11 @@ def test_a_killed_appliance_is_taken_over_once_its_nodes_are_stopped(appliances,
     workdir = appliances.workdir
     ports = pick_ports()
     killed = appliances.start(dspark_cmd(*appliances.up_args(ports)), tmp_path / "killed.out")
-    supervisors = local.left_behind(workdir)
+    supervisors = dirlock.left_behind(workdir)
     assert len(supervisors) == 2, supervisors
     os.kill(killed.pid, signal.SIGKILL)  # `local up` killed outright: its supervisors run on
     killed.wait(timeout=30)
-    assert local.left_behind(workdir) == supervisors
+    assert dirlock.left_behind(workdir) == supervisors
 
     # Its lock is free but its nodes still serve from the directory: still refused, naming them.
     r = appliances.run(*appliances.up_args(pick_ports()), timeout=60)
@@ -156,7 +157,7 @@ def test_a_killed_appliance_is_taken_over_once_its_nodes_are_stopped(appliances,
 
     d = appliances.run("local", "down", "--dir", str(workdir))
     assert d.returncode == 0 and "SIGTERM sent to each" in d.stdout and "stopped after" in d.stdout, d.stdout
-    assert local.left_behind(workdir) == []
+    assert dirlock.left_behind(workdir) == []
 
     # Nothing answers now: status says how to start it again, and the command it prints does,
     # taking over the stale lock with one line that says so.
@@ -168,9 +169,9 @@ def test_a_killed_appliance_is_taken_over_once_its_nodes_are_stopped(appliances,
     again = appliances.start(shlex.split(command), tmp_path / "again.out")  # as printed, from the checkout
     out = (tmp_path / "again.out").read_text()
     taken = [line for line in out.splitlines() if "taking over" in line]
-    assert taken == [f"taking over {workdir / local.LOCK_NAME}: the appliance that held it (PID {killed.pid}) "
+    assert taken == [f"taking over {workdir / dirlock.LOCK_NAME}: the appliance that held it (PID {killed.pid}) "
                      "ended without releasing it"], out
-    assert (workdir / local.LOCK_NAME).read_text().strip() == str(again.pid)
+    assert (workdir / dirlock.LOCK_NAME).read_text().strip() == str(again.pid)
     d = appliances.run("local", "down", "--dir", str(workdir))
     assert d.returncode == 0 and again.wait(timeout=30) == 0, d.stdout + d.stderr
 
@@ -179,28 +180,28 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_saying_so(tmp_path):
     """take_dir as `local up` calls it, in a process that dies holding the lock (SIGKILL: no
     release), then in this one; and a lock held by a live process is refused with its PID."""
     workdir = tmp_path / "d"
-    code = ("import sys, time; from pathlib import Path; from dspark.local import appliance as local; "
-            "local.take_dir(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)")
+    code = ("import sys, time; from pathlib import Path; from dspark.local import lock as dirlock; "
+            "dirlock.take_dir(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(workdir)], stdout=subprocess.PIPE,
                               text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        assert local.holder(workdir) == local.Holder(True, holder.pid)
-        with pytest.raises(local.LocalError, match=f"another local appliance \\(PID {holder.pid}\\)"):
-            local.take_dir(workdir)
+        assert dirlock.holder(workdir) == dirlock.Holder(True, holder.pid)
+        with pytest.raises(cluster.LocalError, match=f"another local appliance \\(PID {holder.pid}\\)"):
+            dirlock.take_dir(workdir)
     finally:
         holder.kill()
         holder.communicate(timeout=30)
-    assert local.holder(workdir) == local.Holder(False, stale=holder.pid)
+    assert dirlock.holder(workdir) == dirlock.Holder(False, stale=holder.pid)
     said: list[str] = []
-    lock = local.take_dir(workdir, said.append)
+    lock = dirlock.take_dir(workdir, said.append)
     try:
-        assert said == [f"taking over {workdir / local.LOCK_NAME}: the appliance that held it (PID {holder.pid}) "
+        assert said == [f"taking over {workdir / dirlock.LOCK_NAME}: the appliance that held it (PID {holder.pid}) "
                         "ended without releasing it"]
-        assert local.holder(workdir).pid == os.getpid()
+        assert dirlock.holder(workdir).pid == os.getpid()
     finally:
         lock.release()
-    assert local.holder(workdir) == local.Holder(False)
+    assert dirlock.holder(workdir) == dirlock.Holder(False)
     said.clear()
-    local.take_dir(workdir, said.append).release()
+    dirlock.take_dir(workdir, said.append).release()
     assert said == []  # a clean release leaves nothing to take over

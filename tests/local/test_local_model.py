@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dspark.config import validate as C
-from dspark.local import appliance as L
+from dspark.local import cluster as L
 from dspark.local import model as M
 
 VOCAB = M.TINY_MODEL["vocab_size"]

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dspark.config import validate as C
 from dspark.engine import facts as F
 from dspark.engine.log import SHUTDOWN_ABORT_LINE
-from dspark.local import appliance as L
+from dspark.local import cluster as L
 from tests.harness.pair import dspark_cmd, get_json, kill_leftovers, pick_ports, run_dspark
 
 pytestmark = pytest.mark.pair

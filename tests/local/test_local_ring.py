@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from dspark.engine import facts as F
-from dspark.local import appliance as L
+from dspark.local import cluster as L
 from tests.harness.pair import get_json, run_dspark
 
 pytestmark = pytest.mark.pair

@@ -17,19 +17,21 @@ import urllib.request
 from contextlib import contextmanager
 
 from dspark.config import validate as C
-from dspark.local import appliance as local
+from dspark.local import cluster
+from dspark.local.lock import left_behind
+from dspark.local.stop import planned_stop_s
 from tests.harness.pair import dspark_cmd, pick_ports
 from tests.local.test_local_dir_lock import Appliances, standin_line  # noqa: F401 (standin_line: a fixture)
 
 
 def bound_of(workdir) -> float:
-    return local.planned_stop_s(C.load(workdir / "cluster.toml").supervisor)
+    return planned_stop_s(C.load(workdir / "cluster.toml").supervisor)
 
 
 def hold_a_request(port: int) -> threading.Thread:
     """One completion the stand-in runs for minutes (STANDIN_TOKEN_S x max_tokens)."""
     def send() -> None:
-        body = json.dumps({"model": local.SERVED_NAME, "prompt": [1, 2, 3], "max_tokens": 1000}).encode()
+        body = json.dumps({"model": cluster.SERVED_NAME, "prompt": [1, 2, 3], "max_tokens": 1000}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
         try:
@@ -65,8 +67,8 @@ def test_a_clean_stop_prints_its_bound_keeps_it_and_the_worker_ends_stopped(tmp_
     assert said and float(said.group(1)) == bound, text
     stopped = re.search(r"stopped; no process left behind \(the stop took ([\d.]+) s\)", text)
     assert stopped and float(stopped.group(1)) <= bound and took <= bound + 5, text
-    worker_log = (a.workdir / "logs" / f"{local.WORKER_NAME}.log").read_text()
-    assert f"stopped: its head {local.HEAD_NAME} stopped" in worker_log, worker_log[-2000:]
+    worker_log = (a.workdir / "logs" / f"{cluster.WORKER_NAME}.log").read_text()
+    assert f"stopped: its head {cluster.HEAD_NAME} stopped" in worker_log, worker_log[-2000:]
     assert "failed" not in worker_log.split("serving: pair serving")[-1], worker_log[-2000:]
 
 
@@ -94,9 +96,9 @@ def test_a_vllm_that_overstays_its_drain_is_killed_within_the_printed_bound(tmp_
         took, text = stop_and_time(p, tmp_path / "up.out", limit=bound + 60)
         assert took <= bound + 5, (took, bound, text)  # + 5: local up's own exit after the stop
         assert f"done within {bound:g} s" in text and "no process left behind" in text, text
-        head_log = (a.workdir / "logs" / f"{local.HEAD_NAME}.log").read_text()
+        head_log = (a.workdir / "logs" / f"{cluster.HEAD_NAME}.log").read_text()
         assert "drain_s + stop_grace_s" in head_log, head_log[-2000:]
-        assert local.left_behind(a.workdir) == []
+        assert left_behind(a.workdir) == []
 
 
 def test_a_second_ctrl_c_kills_every_node_at_once_and_says_so(tmp_path, standin_line):  # noqa: F811
@@ -104,4 +106,4 @@ def test_a_second_ctrl_c_kills_every_node_at_once_and_says_so(tmp_path, standin_
         took, text = stop_and_time(p, tmp_path / "up.out", again_after=3.0, limit=120)
         assert took < 30, (took, text)  # not the 75 s of drain and grace
         assert "a second signal: every node killed at once (SIGKILL)" in text and "no process left behind" in text
-        assert local.left_behind(a.workdir) == []
+        assert left_behind(a.workdir) == []

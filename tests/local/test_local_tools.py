@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from dspark.local import appliance as local
+from dspark.local import cluster as local
 from dspark.local import model as local_model
 
 CITIES = ["Paris", "Oslo"]

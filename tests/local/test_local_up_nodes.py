@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dspark.config import validate as C
-from dspark.local import appliance as L
+from dspark.local import cluster as L
 from tests.harness.pair import run_dspark
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from dspark.config import validate as C
-from dspark.local import appliance as L
+from dspark.local import cluster as L
 from dspark.local import vision as V
 from dspark.node.launch import vllm_argv
 from tests.harness.dspark_cli import invoke_dspark

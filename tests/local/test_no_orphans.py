@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from dspark.local import appliance as L
+from dspark.local import cluster as L
 from dspark.node.vllm_process import group_members
 from tests.harness.browser import wait_for
 from tests.harness.dashboard import DashboardProcess

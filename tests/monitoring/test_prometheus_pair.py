@@ -25,7 +25,7 @@ import pytest
 
 from dspark import monitoring
 from dspark.config import validate as config
-from dspark.local import appliance as L
+from dspark.local import cluster as L
 
 pytestmark = pytest.mark.pair
 

@@ -216,7 +216,7 @@ def site_of(version: str) -> Path | None:
     site = os.environ.get(f"DSPARK_VLLM_{version.replace('.', '')[:3]}_SITE")
     if site:
         return Path(site)
-    from dspark.local.appliance import lines_dir
+    from dspark.local.cluster import lines_dir
 
     found = sorted((lines_dir() / f"v{version}").glob("lib/python3*/site-packages"))
     return found[0] if found else None

@@ -17,7 +17,7 @@ import pytest
 
 from dspark.config import validate as C
 from dspark.engine import facts as F
-from dspark.local import appliance as L
+from dspark.local import cluster as L
 from dspark.node.liveness import read_progress
 
 pytestmark = pytest.mark.pair

@@ -99,11 +99,11 @@ SITE_032_ENV = "DSPARK_VLLM_032_SITE"
 
 def line_site(line: str = LINE_032) -> Path | None:
     """The line's vLLM tree: the site directory DSPARK_VLLM_032_SITE names, else the line's CPU
-    build that .ci/setup installs beside .venv (dspark.local.appliance.lines_dir()/<line>)."""
+    build that .ci/setup installs beside .venv (dspark.local.cluster.lines_dir()/<line>)."""
     named = os.environ.get(SITE_032_ENV)
     if named:
         return Path(named)
-    from dspark.local.appliance import lines_dir
+    from dspark.local.cluster import lines_dir
 
     found = sorted((lines_dir() / line).glob("lib/python3*/site-packages"))
     return found[0] if found and (found[0] / "vllm").is_dir() else None

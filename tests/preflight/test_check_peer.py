@@ -18,7 +18,8 @@ import pytest
 from dspark.config import validate as C
 from dspark.config.schema import Cluster, NodeConfig, ServingConfig
 from dspark.config.template import dumps
-from dspark.local.appliance import LocalError, LocalPorts, prepare, up
+from dspark.local.appliance import up
+from dspark.local.cluster import LocalError, LocalPorts, prepare
 from dspark.local.model import TINY_MODEL
 from dspark.node import states as S
 from dspark.node.agent import Agent

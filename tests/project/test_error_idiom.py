@@ -43,7 +43,7 @@ def test_a_registered_command_that_does_not_import_surfaces_its_import_error(mon
 
 @pytest.fixture
 def local_cluster(tmp_path):
-    from dspark.local.appliance import LocalPorts, prepare
+    from dspark.local.cluster import LocalPorts, prepare
 
     return prepare(tmp_path / "local", LocalPorts(api=1, master=2, agent=3))
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from dspark.config.schema import DEFAULT_CONFIG_PATH
-from dspark.local import appliance as local
+from dspark.local import cluster as local
 from tests.harness.dspark_cli import invoke_dspark
 from tests.harness.pair import pick_ports
 from tests.harness.standin import write_cluster

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.local import appliance as local
+from dspark.local import cluster as local
 from tests.harness.pair import ARTIFACTS, dspark_cmd
 from tests.harness.switch import WIDE_BAND, A, B
 

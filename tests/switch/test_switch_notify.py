@@ -19,7 +19,7 @@ from dspark.config.template import dumps
 from dspark.files import state_io
 from dspark.lines import history as switch_history
 from dspark.lines import state as line_state
-from dspark.local import appliance as local
+from dspark.local import cluster as local
 from dspark.local.model import TINY_MODEL
 from tests.harness.pair import dspark_cmd
 from tests.harness.standin import STANDIN, write_cluster

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from dspark.config import credentials
-from dspark.local.appliance import HEAD_NAME
+from dspark.local.cluster import HEAD_NAME
 from tests.harness.appliance import bind_checkout, runtime
 from tests.harness.nspawn_container import Container, missing_requirements
 
@@ -37,7 +37,7 @@ def settle(box: Container, unit: str) -> dict[str, str]:
 def test_a_missing_key_file_is_a_refusal_by_name_not_243():
     with Container(name="dspark-key") as box:
         python, dspark, _ = runtime(box)
-        box.run(python, "-c", "from pathlib import Path; from dspark.local.appliance import prepare, LocalPorts; "
+        box.run(python, "-c", "from pathlib import Path; from dspark.local.cluster import prepare, LocalPorts; "
                 f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api=28121, master=28122, agent=28123))",
                 timeout=60, check=True)
         box.run(dspark, "systemd", "install", "--node", HEAD_NAME, "--config", f"{CLUSTER_DIR}/cluster.toml",

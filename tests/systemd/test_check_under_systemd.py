@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dspark.local.appliance import WORKER_NAME
+from dspark.local.cluster import WORKER_NAME
 from tests.harness.appliance import DSPARK, PYTHON, _dspark_can_execute, bind_checkout, runtime
 from tests.harness.nspawn_container import Container, missing_requirements
 
@@ -24,7 +24,7 @@ def test_failed_check_refuses_the_start_without_restarts():
     with Container(name="dspark-check") as box:
         # The unit runs as shipped: as the dspark user, from an interpreter that user can execute.
         python, dspark, _ = runtime(box)
-        box.run(python, "-c", "from pathlib import Path; from dspark.local.appliance import prepare, LocalPorts; "
+        box.run(python, "-c", "from pathlib import Path; from dspark.local.cluster import prepare, LocalPorts; "
                 f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api=28101, master=28102, agent=28103))",
                 timeout=60, check=True)
         box.run("rm", f"{CLUSTER_DIR}/model/config.json", check=True)  # the model directory is broken
@@ -58,7 +58,7 @@ def test_failed_check_refuses_the_start_without_restarts():
 def test_install_says_when_the_service_user_cannot_execute_what_the_units_start():
     with Container(name="dspark-install") as box:
         python, dspark, _ = runtime(box)  # the dspark user exists from here on
-        box.run(python, "-c", "from pathlib import Path; from dspark.local.appliance import prepare, LocalPorts; "
+        box.run(python, "-c", "from pathlib import Path; from dspark.local.cluster import prepare, LocalPorts; "
                 f"prepare(Path({CLUSTER_DIR!r}), LocalPorts(api=28111, master=28112, agent=28113))",
                 timeout=60, check=True)
         install = ("systemd", "install", "--node", WORKER_NAME, "--config", f"{CLUSTER_DIR}/cluster.toml")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from dspark.local.appliance import WORKER_NAME
+from dspark.local.cluster import WORKER_NAME
 from tests.harness.appliance import install, use_standin
 from tests.harness.nspawn_container import Container, missing_requirements
 

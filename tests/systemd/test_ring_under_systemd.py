@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from dspark.local.appliance import HEAD_NAME, node_name
+from dspark.local.cluster import HEAD_NAME, node_name
 from tests.harness.appliance import CLUSTER_DIR, STANDIN, Appliance, install, use_standin
 from tests.harness.nspawn_container import Container, missing_requirements
 

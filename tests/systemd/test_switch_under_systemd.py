@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from dspark.local.appliance import HEAD_NAME, WORKER_NAME
+from dspark.local.cluster import HEAD_NAME, WORKER_NAME
 from tests.harness.appliance import CHECKOUT_LINES, CLUSTER_DIR, Appliance, install, record_real_start_ups
 from tests.harness.nspawn_container import Container, missing_requirements
 from tests.harness.pair import ARTIFACTS

@@ -23,7 +23,7 @@ import urllib.request
 
 import pytest
 
-from dspark.local.appliance import HEAD_NAME, SERVED_NAME, WORKER_NAME
+from dspark.local.cluster import HEAD_NAME, SERVED_NAME, WORKER_NAME
 from tests.harness.appliance import CLUSTER_DIR, STANDIN, UNITS, Appliance, install, use_standin
 from tests.harness.nspawn_container import Container, missing_requirements
 

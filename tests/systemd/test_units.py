@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dspark.config.schema import SupervisorConfig
-from dspark.local.appliance import LocalPorts, prepare
+from dspark.local.cluster import LocalPorts, prepare
 from dspark.node.policy import BACKOFF_MAX_S, backoff_delay
 from dspark.units.dropins import NodeRole, node_dropins, node_units
 from dspark.units.names import (

@@ -1,4 +1,4 @@
-"""`dspark local up`, `local down` and `local status`: the appliance on this machine (dspark.local.appliance),
+"""`dspark local up`, `local down` and `local status`: the appliance on this machine (dspark.local),
 its defaults read from there. `dspark status` with no cluster file named reads the local
 appliance's (`found_cluster_file`) when /etc has none."""
 
@@ -10,20 +10,18 @@ from pathlib import Path
 import click
 
 from dspark.cli.common import fail
-from dspark.local.appliance import (
+from dspark.local.appliance import up
+from dspark.local.cluster import (
     DEFAULT_DIR,
     DEFAULT_NODES,
     LocalError,
     LocalPorts,
     check_nodes,
     check_vision,
-    down,
-    holder,
-    left_behind,
-    lock_path,
-    up,
     vllm_command,
 )
+from dspark.local.lock import holder, left_behind, lock_path
+from dspark.local.stop import down
 from dspark.status import cli_command
 
 _PORTS = LocalPorts()

@@ -335,7 +335,7 @@ def wait_worker_cmd(config_path: Path | None, timeout: float | None) -> None:
 def status_cmd(config_path: Path | None, as_json: bool) -> None:
     """Both nodes and the API in one table; exit 1 when the pair is not serving."""
     from dspark.config.credentials import read_api_key
-    from dspark.local.appliance import LocalError, found_cluster_file  # /etc's, else the local appliance's
+    from dspark.local.cluster import LocalError, found_cluster_file  # /etc's, else the local appliance's
     from dspark.status import collect, render_table, to_json
 
     try:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from dspark.cli.options import config_option
-from dspark.local.appliance import DEFAULT_DIR as LOCAL_DIR
+from dspark.local.cluster import DEFAULT_DIR as LOCAL_DIR
 
 if TYPE_CHECKING:
     from dspark.config.schema import Cluster

@@ -231,7 +231,7 @@ def serve(cluster: Cluster, node: NodeConfig, *, state_dir: Path | None = None,
     """Supervise until stopped; the exit code. One Supervisor per run: a switch's next run, on
     the new line, follows in this process. `signals`: a queue installed earlier (the CLI installs
     it first thing, so that no signal is lost while the cluster file is read). `identity`: what
-    the agent reports for a peer's `dspark check` (dspark.preflight.peer.local_identity). `said`:
+    the agent reports for a peer's `dspark check` (dspark.preflight.node_identity.local_identity). `said`:
     the line warning `startup` already gave (not repeated)."""
     # The restart backoff only matters where something restarts the node: under systemd.
     signals = signals or SignalQueue().install()

@@ -74,7 +74,7 @@ class NodeState:
     runtime_line: str | None = None  # the runtime line this node runs (dspark.lines.state)
     file_line: str | None = None     # the cluster file's line (serving.runtime_line)
     line_switch: dict | None = None  # the head: the switch under way (dspark.lines.state.Switch), else None
-    # What `dspark check` on a peer compares (dspark.preflight.peer.local_identity): the cluster
+    # What `dspark check` on a peer compares (dspark.preflight.node_identity.local_identity): the cluster
     # file's SHA-256, the model directory's fingerprint, vLLM's version and sources' SHA-256.
     identity: dict | None = None
     # This run goes on in the same process after a runtime-line switch (dspark.node.startup.serve):

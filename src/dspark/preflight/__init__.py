@@ -7,7 +7,9 @@ starts and says ok, warn or fail, what it saw and the fix.
   host.py       the GPU and driver (NVML, nvidia_uvm loaded), free memory against the plan,
                 swap and OOM killers, the units' cache directories
   model_dir.py  config.json, the shards the index names, readable by the service user, whole
-  peer.py       this node's identity (served in the agent's /state), its ports, the peers
+  node_identity.py  this node's identity (served in the agent's /state), its runtime line
+  ports.py      this node's ports (free, or who holds them), who can reach the head's API
+  peer.py       the peers: the same cluster file, runtime, model and dspark; their clocks
   perms.py      who else can write the model directory, the cluster file and vLLM's runtime
 
 Run on demand (`dspark check`), by `dspark serve --check` (what the units run: a fail
@@ -29,7 +31,7 @@ from dspark.config.schema import Cluster, NodeConfig
 from dspark.preflight.result import Check, Report, fail, ok, warn
 
 if TYPE_CHECKING:
-    from dspark.preflight.peer import PortUse
+    from dspark.preflight.ports import PortUse
 
 T = TypeVar("T")
 
@@ -68,7 +70,9 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
     from dspark.preflight import host as H
     from dspark.preflight import model_dir as M
     from dspark.preflight import net as N
+    from dspark.preflight import node_identity as NI
     from dspark.preflight import peer as P
+    from dspark.preflight import ports as PO
     from dspark.units import user as U
     from dspark.units.names import USER
 
@@ -135,19 +139,19 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
     add(_guard("memory.free", memory))
     add(_guard("memory", lambda: H.check_swap_oom(host.proc)))
     add(_guard("cache", lambda: H.check_caches(host.environ, host.under_unit)))
-    add(_guard("port", lambda: P.check_ports(cluster, node, host.proc, own)))
+    add(_guard("port", lambda: PO.check_ports(cluster, node, host.proc, own)))
     if node.is_head:
-        add(_guard("api.access", lambda: P.check_api_access(node, host.environ)))
+        add(_guard("api.access", lambda: PO.check_api_access(node, host.environ)))
 
     def perms() -> list[Check]:
         from dspark.preflight.perms import check_perms
 
-        return check_perms(cluster, user, P.vllm_package(cluster.serving.vllm_command)[1])
+        return check_perms(cluster, user, NI.vllm_package(cluster.serving.vllm_command)[1])
 
     add(_guard("perms", perms))
     identity = host.identity
     if identity is None:
-        identity = _guard_value(lambda: P.local_identity(cluster)) or {}
+        identity = _guard_value(lambda: NI.local_identity(cluster)) or {}
     report.identity = identity
     if identity.get("error"):
         report.checks.append(warn("runtime", f"vLLM's runtime not identified: {identity['error']}",
@@ -156,7 +160,7 @@ def run(cluster: Cluster, node: NodeConfig, host: Host | None = None) -> Report:
         report.checks.append(ok("runtime", f"vLLM {identity.get('vllm_version') or '?'}, sources "
                                 f"{(identity.get('vllm_sources_sha256') or '?')[:12]} "
                                 f"({identity.get('vllm_sources_files', 0)} files)"))
-        report.checks += P.check_runtime_line(cluster, identity)
+        report.checks += NI.check_runtime_line(cluster, identity)
     if host.peers:
         add(_guard("peer", lambda: P.check_peers(cluster, node, identity, host.starting)))
     return report
@@ -217,7 +221,7 @@ def gate(cluster: Cluster, node: NodeConfig, say: Callable[[str], None], host: H
 def _wait_for_ports(cluster: Cluster, node: NodeConfig, host: Host, names: set[str], wait_s: float,
                     refusal: Verdict, say: Callable[[str], None], wait: Callable[[float], int | None] | None,
                     waiting: Callable[[float, str], None] | None, clock: Callable[[], float]) -> Verdict:
-    from dspark.preflight import peer as P
+    from dspark.preflight.ports import probe_ports
 
     def sleep(seconds: float) -> int | None:
         time.sleep(seconds)
@@ -226,7 +230,7 @@ def _wait_for_ports(cluster: Cluster, node: NodeConfig, host: Host, names: set[s
     wait, waiting = wait or sleep, waiting or (lambda _s, line: say(line))
     t0, delay = clock(), PORT_RETRY_FIRST_S
     while True:
-        blocking = [u for u in P.probe_ports(cluster, node, host.proc, None)
+        blocking = [u for u in probe_ports(cluster, node, host.proc, None)
                     if u.name in names and u.error is not None and u.ours is None]
         if not blocking:
             say(f"dspark[{node.name}]: {', '.join(sorted(names))}: free now")
@@ -254,6 +258,6 @@ def _held(ports: Iterable[PortUse], still: str) -> str:
 
 def identity(cluster: Cluster) -> dict:
     """This node's identity without the checks (`dspark serve` without --check)."""
-    from dspark.preflight.peer import local_identity
+    from dspark.preflight.node_identity import local_identity
 
     return _guard_value(lambda: local_identity(cluster)) or {}

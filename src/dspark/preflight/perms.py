@@ -198,7 +198,7 @@ def _report(name: str, what: str, findings: list[Finding], why: str) -> Check:
 
 def check_perms(cluster: Cluster, user: ServiceUser, vllm_package: Path | None) -> list[Check]:
     """perms.model, perms.cluster and perms.runtime when others can write them; one ok line
-    otherwise. `vllm_package`: the installed vllm package (peer.vllm_package), when found."""
+    otherwise. `vllm_package`: the installed vllm package (node_identity.vllm_package), when found."""
     trust = Trust(user)
     scan = Scan(trust)
     out: list[Check] = []
