@@ -26,6 +26,7 @@ from dspark.node.agent_client import AgentAnswer
 from dspark.node.events import Events, Limits, Peer
 from dspark.node.liveness import LivenessJudge
 from dspark.node.policy import EXIT_NEVER_READY, NodePolicy
+from dspark.preflight import node_identity as NI
 from dspark.preflight import peer as P
 from tests.harness.dspark_cli import invoke_dspark
 
@@ -94,9 +95,9 @@ def test_check_passes_on_a_peer_on_the_same_line(tmp_path):
     port_h, port_w = free_port(), free_port("127.0.0.2")
     head = write_cluster(tmp_path, "head.toml", port_h, port_w, SECOND)
     with Worker(port_w, SECOND):
-        got = {c.name: c for c in P.check_peers(head, head.head, P.local_identity(head))}
+        got = {c.name: c for c in P.check_peers(head, head.head, NI.local_identity(head))}
     assert got["peer.w.line"].status == "ok" and SECOND in got["peer.w.line"].seen
-    assert P.local_identity(head)["runtime_line"] == SECOND
+    assert NI.local_identity(head)["runtime_line"] == SECOND
 
 
 def test_a_peer_of_the_same_cluster_file_on_another_line_is_not_a_refusal(tmp_path):
@@ -237,12 +238,12 @@ def test_check_fails_when_the_command_runs_another_lines_release(tmp_path):
     fails runtime.line naming both releases (the identity is read from the real install)."""
     port_h, port_w = free_port(), free_port("127.0.0.2")
     wrong = write_cluster(tmp_path, "wrong.toml", port_h, port_w, SECOND)
-    got = {c.name: c for c in P.check_runtime_line(wrong, P.local_identity(wrong))}["runtime.line"]
+    got = {c.name: c for c in NI.check_runtime_line(wrong, NI.local_identity(wrong))}["runtime.line"]
     assert got.status == "fail" and "0.32.0" in got.seen and "0.28.0" in got.seen, got
     right = write_cluster(tmp_path, "right.toml", port_h, port_w, None)
-    got = {c.name: c for c in P.check_runtime_line(right, P.local_identity(right))}["runtime.line"]
+    got = {c.name: c for c in NI.check_runtime_line(right, NI.local_identity(right))}["runtime.line"]
     assert got.status == "ok" and "v0.28.0" in got.seen, got
     if second_line_vllm().exists():
         fixed = write_cluster(tmp_path, "fixed.toml", port_h, port_w, SECOND, [str(second_line_vllm())])
-        got = {c.name: c for c in P.check_runtime_line(fixed, P.local_identity(fixed))}["runtime.line"]
+        got = {c.name: c for c in NI.check_runtime_line(fixed, NI.local_identity(fixed))}["runtime.line"]
         assert got.status == "ok" and SECOND in got.seen, got

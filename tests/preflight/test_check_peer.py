@@ -24,7 +24,9 @@ from dspark.local.model import TINY_MODEL
 from dspark.node import states as S
 from dspark.node.agent import Agent
 from dspark.preflight import Host
+from dspark.preflight import node_identity as NI
 from dspark.preflight import peer as P
+from dspark.preflight import ports as PO
 from tests.harness.dspark_cli import invoke_dspark
 from tests.harness.pair import run_dspark
 
@@ -55,7 +57,7 @@ def by_name(checks):
 # ------------------------------------------------------------------------------ ports
 def test_free_ports(tmp_path):
     c = cluster(tmp_path, free_port(), free_port())
-    got = by_name(P.check_ports(c, c.head, Path("/proc"), None))
+    got = by_name(PO.check_ports(c, c.head, Path("/proc"), None))
     assert set(got) == {"port.agent", "port.master", "port.api"}
     assert all(x.status == "ok" and "is free" in x.seen for x in got.values())
 
@@ -66,7 +68,7 @@ def test_port_held_by_another_process_names_it(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         c = cluster(tmp_path, port, free_port())
-        got = by_name(P.check_ports(c, c.head, Path("/proc"), None))["port.agent"]
+        got = by_name(PO.check_ports(c, c.head, Path("/proc"), None))["port.agent"]
         assert got.status == "fail" and f"pid {os.getpid()}" in got.seen and "another agent_port" in got.fix
 
 
@@ -78,13 +80,13 @@ def test_port_held_by_this_nodes_own_agent(tmp_path):
     try:
         own = P.own_agent_state(c.head)
         assert own is not None and own["node"] == "h"
-        got = by_name(P.check_ports(c, c.head, Path("/proc"), own))["port.agent"]
+        got = by_name(PO.check_ports(c, c.head, Path("/proc"), own))["port.agent"]
         assert got.status == "ok" and "this node's own" in got.seen
         # The same port held by an agent answering as another node is not ours.
         c2 = cluster(tmp_path, port, free_port())
         other = NodeConfig(name="x", rank=0, address="127.0.0.1", agent_port=port)
         assert P.own_agent_state(other) is None
-        assert by_name(P.check_ports(c2, c2.head, Path("/proc"), None))["port.agent"].status == "fail"
+        assert by_name(PO.check_ports(c2, c2.head, Path("/proc"), None))["port.agent"].status == "fail"
     finally:
         agent.stop()
 
@@ -116,14 +118,14 @@ def test_port_owner_is_matched_by_address_and_node(tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
             s.listen()
-            got = by_name(P.check_ports(c, c.head, Path("/proc"), None))["port.agent"]
+            got = by_name(PO.check_ports(c, c.head, Path("/proc"), None))["port.agent"]
             assert got.status == "fail" and f"pid {os.getpid()}" in got.seen
     finally:
         stop(ours_elsewhere)
     for node, want in (("h", "ok"), ("w", "fail")):
         p = listener("127.0.0.1", port, "dspark", "serve", "--node", node)
         try:
-            got = by_name(P.check_ports(c, c.head, Path("/proc"), None))["port.agent"]
+            got = by_name(PO.check_ports(c, c.head, Path("/proc"), None))["port.agent"]
         finally:
             stop(p)
         assert got.status == want, got
@@ -133,28 +135,28 @@ def test_port_owner_is_matched_by_address_and_node(tmp_path):
 
 def test_address_not_on_this_host(tmp_path):
     c = cluster(tmp_path, free_port(), free_port(), agent_host="192.0.2.123")
-    got = by_name(P.check_ports(c, c.head, Path("/proc"), None))["port.agent"]
+    got = by_name(PO.check_ports(c, c.head, Path("/proc"), None))["port.agent"]
     assert got.status == "fail" and "not an address of this host" in got.seen
 
 
 # ------------------------------------------------------------------------------ identity
 def test_identity_of_this_checkout(tmp_path):
     c = cluster(tmp_path, free_port(), free_port())
-    ident = P.local_identity(c)
+    ident = NI.local_identity(c)
     assert ident["cluster_sha256"] == hashlib.sha256(Path(c.source).read_bytes()).hexdigest()
     assert ident["vllm_version"].startswith("0.28.0")  # the venv's real vLLM CPU build
     assert len(ident["vllm_sources_sha256"]) == 64 and ident["vllm_sources_files"] > 1000
-    assert P.local_identity(c) == ident  # stable
+    assert NI.local_identity(c) == ident  # stable
     c2 = Cluster(model=c.model, serving=ServingConfig(vllm_command=["/nonexistent/vllm"]), nodes=c.nodes,
                    source=c.source)
-    assert "error" in P.runtime_identity(c2.serving.vllm_command)
+    assert "error" in NI.runtime_identity(c2.serving.vllm_command)
 
 
 def test_runtime_python_from_the_venvs_vllm_script():
     vllm = Path(sys.executable).parent / "vllm"
     if not vllm.exists():
         pytest.skip("no vllm entry point beside this Python")
-    assert Path(P._runtime_python([str(vllm)])).name.startswith("python")
+    assert Path(NI._runtime_python([str(vllm)])).name.startswith("python")
 
 
 def test_model_fingerprint_changes_with_a_shard(tmp_path):
@@ -162,9 +164,9 @@ def test_model_fingerprint_changes_with_a_shard(tmp_path):
     d.mkdir()
     (d / "config.json").write_text("{}")
     (d / "a.safetensors").write_bytes(b"x" * 10)
-    before = P.model_fingerprint(str(d))
+    before = NI.model_fingerprint(str(d))
     (d / "a.safetensors").write_bytes(b"x" * 9)  # truncated
-    assert P.model_fingerprint(str(d)) != before
+    assert NI.model_fingerprint(str(d)) != before
 
 
 # ------------------------------------------------------------------------------ peers

@@ -233,7 +233,7 @@ def _serve_os_error(e: OSError, cluster: Cluster, node: NodeConfig, state_dir: P
     what = e.strerror or str(e)
     retry = errno.errorcode.get(e.errno or 0) not in _CONFIG_ERRNOS
     if e.errno == errno.EADDRINUSE:  # the agent's bind, the one port serve() binds itself
-        from dspark.preflight.peer import probe_ports
+        from dspark.preflight.ports import probe_ports
 
         where = f"{node.agent_bind}:{node.agent_port}"
         held = [u for u in probe_ports(cluster, node, Path("/proc"), None) if u.what == "agent_port" and u.held]
