@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from dspark.cli.main import main
+from dspark.config import checks, command_line
 from dspark.config import validate as C
 from dspark.config.flags import DSPARK_FLAGS
 from dspark.config.schema import GIB, Cluster, ConfigError, ModelConfig, NodeConfig
@@ -275,7 +276,7 @@ def _nodes_only(n: int) -> Cluster:
 def _check_s(cluster: Cluster) -> float:
     took: list[float] = []
     with _timed(took):
-        assert C.check(cluster)  # ranks above 1023 and the parallel sizes are refused
+        assert checks.check(cluster)  # ranks above 1023 and the parallel sizes are refused
     return took[0]
 
 
@@ -309,6 +310,6 @@ def test_every_flag_render_writes_is_owned():
         argv = argv[:len(argv) - len(c.serving.extra_args)]
         flags = {a for a in argv if a.startswith("-")}
         assert flags and flags <= set(DSPARK_FLAGS), flags - set(DSPARK_FLAGS)
-        assert all(C.owned_flag(f) == f for f in flags)
+        assert all(command_line.owned_flag(f) == f for f in flags)
     c = C.from_dict(dict(good(), serving=dict(good()["serving"], speculative_config=None, extra_args=[])))
     assert {a for a in vllm_argv(c, c.head) if a.startswith("-")} <= set(DSPARK_FLAGS)

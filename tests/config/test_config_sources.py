@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dspark.config import checks
 from dspark.config import validate as C
 from dspark.config.schema import SEED_ENV, Cluster, ConfigError, ModelConfig, NodeConfig, ServingConfig
 from dspark.config.template import template
@@ -124,7 +125,7 @@ def test_capture_sizes_that_leave_a_decode_batch_without_a_full_graph_are_refuse
     own managers in tests/overlay/test_graph_grid.py): one line naming the field, the batches,
     the mode they fall to on which release, and the fix; the fix itself passes."""
     def problems(**serving):
-        return [x for x in C.check(_cluster(ServingConfig(**serving))) if "FULL CUDA graph" in x]
+        return [x for x in checks.check(_cluster(ServingConfig(**serving))) if "FULL CUDA graph" in x]
 
     # Before the fix dspark itself rendered this list for 13 requests: the draft's last batch
     # (65 tokens) ran eager.
@@ -171,14 +172,14 @@ def test_capture_sizes_that_leave_a_decode_batch_without_a_full_graph_are_refuse
 
 
 def test_contradicting_settings_are_refused_before_vllm_refuses_them():
-    p = C.check(_cluster(ServingConfig(max_model_len=512)))
+    p = checks.check(_cluster(ServingConfig(max_model_len=512)))
     assert any(x.startswith("serving.long_prefill_token_threshold: 1024 is above max_model_len") for x in p)
-    p = C.check(_cluster(ServingConfig(cudagraph_capture_sizes=[6, 12], max_cudagraph_capture_size=36)))
+    p = checks.check(_cluster(ServingConfig(cudagraph_capture_sizes=[6, 12], max_cudagraph_capture_size=36)))
     assert any(x.startswith("serving.max_cudagraph_capture_size: 36 differs") for x in p)
-    p = C.check(_cluster(ServingConfig(cudagraph_capture_sizes=[6, 0])))
+    p = checks.check(_cluster(ServingConfig(cudagraph_capture_sizes=[6, 0])))
     assert any(x.startswith("serving.cudagraph_capture_sizes: must be a whole number in [1,") for x in p), p
     assert any(x.startswith("serving.cudagraph_capture_sizes: must list at least one size")
-               for x in C.check(_cluster(ServingConfig(cudagraph_capture_sizes=[]))))
+               for x in checks.check(_cluster(ServingConfig(cudagraph_capture_sizes=[]))))
     with pytest.raises(ConfigError, match="expected a list of whole numbers"):
         C.from_dict({"model": {"path": "/m"}, "serving": {"cudagraph_capture_sizes": ["6"]},
                      "nodes": [{"name": "a", "rank": 0, "address": "10.0.0.1"}]})

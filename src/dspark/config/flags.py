@@ -1,6 +1,6 @@
 """The options dspark writes on vLLM's command line, each with the cluster file's field (or the
 words) a user sets instead: one table. `dspark.node.launch.vllm_argv` writes the serving fields'
-options from it (in its order), and the validator (`dspark.config.validate.owned_flag`) refuses
+options from it (in its order), and the validator (`dspark.config.command_line.owned_flag`) refuses
 each of its options in `serving.extra_args`, naming the field."""
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dspark.config.checks import ENV_NAME
 from dspark.config.flags import Form, of_form
 from dspark.config.schema import Cluster, NodeConfig
 from dspark.config.secret_policy import redact_args, redact_env
-from dspark.config.validate import ENV_NAME
 from dspark.lines import runtime as runtime_lines
 
 
