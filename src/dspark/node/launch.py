@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config.checks import ENV_NAME
-from dspark.config.flags import Form, of_form
+from dspark.config.flags import Flag, Form, of_form
 from dspark.config.schema import Cluster, NodeConfig
 from dspark.config.secret_policy import redact_args, redact_env
 from dspark.lines import runtime as runtime_lines
@@ -109,18 +109,22 @@ def vllm_argv(cluster: Cluster, node: NodeConfig) -> list[str]:
         # vLLM takes kv_cache_memory_bytes instead of the utilization when both are given;
         # pass only the one that applies so the command line says what happens.
         "gpu_memory_utilization": None if s.kv_cache_memory_bytes is not None else s.gpu_memory_utilization,
+        # an empty table is no draft: nothing written (a limit_mm_per_prompt of {} is written)
+        "speculative_config": s.speculative_config or None,
     }
+
+    def setting(flag: Flag) -> Any:
+        return value[flag.attr] if flag.attr in value else getattr(s, flag.attr)
+
     for flag in of_form(Form.VALUE):
-        v = value[flag.attr] if flag.attr in value else getattr(s, flag.attr)
-        if v is not None:
+        if (v := setting(flag)) is not None:
             argv += [flag.option, str(v)]
     for flag in of_form(Form.LIST):
-        if value[flag.attr] is not None:
-            argv += [flag.option, *map(str, value[flag.attr])]
-    argv += [flag.option for flag in of_form(Form.SWITCH) if getattr(s, flag.attr)]
+        if (v := setting(flag)) is not None:
+            argv += [flag.option, *map(str, v)]
+    argv += [flag.option for flag in of_form(Form.SWITCH) if setting(flag)]
     for flag in of_form(Form.JSON):
-        v = getattr(s, flag.attr)
-        if v if flag.attr == "speculative_config" else v is not None:
+        if (v := setting(flag)) is not None:
             argv += [flag.option, json.dumps(v, separators=(",", ":"))]
     if node.is_head:
         # vLLM's own key check guards /v1 only, and its CORS default lets every origin in: the

@@ -66,7 +66,7 @@ def state_dir_of(value: str | Path | None) -> Path | None:
     (the first is this node's)."""
     if value is None:
         return None
-    return Path(str(value).split(":")[0]) if ":" in str(value) else Path(value)
+    return Path(str(value).split(":")[0])
 
 
 # ------------------------------------------------------------------------------ the outcome
