@@ -41,6 +41,14 @@ class JSONRefused(ValueError):
     """A JSON text refused by `parse_json`: not JSON, too large or nested too deeply."""
 
 
+def require_regular(fd: int, path: str | os.PathLike) -> None:
+    """NotRegularFile unless the open `fd` (of `path`) is a regular file: a FIFO, a device, a
+    directory or a socket is refused before a byte is read."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        raise NotRegularFile(errno.EINVAL, f"not a regular file ({file_kind(mode)})", str(path))
+
+
 @contextmanager
 def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True) -> Iterator[BinaryIO]:
     """`path` opened for reading without blocking; NotRegularFile unless it is a regular file
@@ -54,9 +62,7 @@ def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True) -> It
             raise NotRegularFile(errno.ELOOP, "a symbolic link, not followed", str(path)) from None
         raise
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFile(errno.EINVAL, f"not a regular file ({file_kind(mode)})", str(path))
+        require_regular(fd, path)
         f = os.fdopen(fd, "rb", buffering=0)
     except BaseException:
         os.close(fd)

@@ -35,7 +35,13 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from dspark import log as L
-from dspark.files.safe_read import FileTooLarge, NotRegularFile, file_kind, open_regular, read_at_most
+from dspark.files.safe_read import (
+    FileTooLarge,
+    NotRegularFile,
+    open_regular,
+    read_at_most,
+    require_regular,
+)
 
 MODE = 0o600
 MAX_STATE_BYTES = 64 * 1024  # runtime-line.json and failures.json hold a few hundred bytes
@@ -185,9 +191,7 @@ def _open_lock(path: Path) -> BinaryIO:
                     raise NotRegularFile(errno.ELOOP, "a symbolic link, not followed", str(path)) from None
                 raise
         try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise NotRegularFile(errno.EINVAL, f"not a regular file ({file_kind(mode)})", str(path))
+            require_regular(fd, path)
             if created:
                 os.fchmod(fd, MODE)
                 _own_like_dir(fd, dfd)
