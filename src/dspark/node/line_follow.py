@@ -63,10 +63,13 @@ class LineFollow:
         raise NotImplementedError  # NodePolicy's
 
     # ---------------------------------------------------------------- the one helper
+    def _head_peer(self) -> Peer | None:
+        return next((p for p in self.peers if p.is_head), None)
+
     def _line_of(self, answers: dict[str, AgentAnswer], peer: Peer | None = None) -> OnLine | None:
         """What `peer` (default: this worker's head) answered in this poll about its line; None
         when it did not answer with a /state."""
-        peer = peer if peer is not None else next((p for p in self.peers if p.is_head), None)
+        peer = peer if peer is not None else self._head_peer()
         a = answers.get(peer.name) if peer is not None else None
         if peer is None or a is None or not a.state:
             return None
@@ -92,7 +95,7 @@ class LineFollow:
     # ---------------------------------------------------------------- a worker
     def _follow_head(self, out: list[Action]) -> None:
         """A worker is serving while its head is; the pair forms when the head serves."""
-        head = next((p for p in self.peers if p.is_head), None)
+        head = self._head_peer()
         if (head is not None and head.last and head.last.get("state") == S.SERVING and self.ready
                 and self.state != S.SERVING):
             self.paired = True
